@@ -1,0 +1,108 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"gorm.io/gorm"
+)
+
+// dialect is the one seam between the library and a database engine: every
+// piece of SQL that differs between PostgreSQL and SQLite (DDL, upserts,
+// RETURNING, row locking, time encoding) sits behind it. Statements common
+// to both are written once with ? placeholders and passed through bind.
+type dialect interface {
+	// schema returns the statements that create the outbox tables and
+	// indexes; they are idempotent and run in one transaction.
+	schema(t tables) []string
+	// bind rewrites ? placeholders into the engine's own.
+	bind(query string) string
+	// timeArg encodes a timestamp argument so that the engine compares it
+	// correctly with stored timestamps.
+	timeArg(t time.Time) any
+	// insertEvent stores e with the next sequence of its aggregate, unless
+	// a row with its idempotency key exists; it reports whether it inserted.
+	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time) (bool, error)
+}
+
+// dialectOf returns the dialect for db's engine.
+func dialectOf(db *gorm.DB) (dialect, error) {
+	switch name := db.Dialector.Name(); name {
+	case "postgres":
+		return postgresDialect{}, nil
+	case "sqlite":
+		return sqliteDialect{}, nil
+	default:
+		return nil, fmt.Errorf("outbox: unsupported database %q (PostgreSQL and SQLite are supported)", name)
+	}
+}
+
+// tables holds the quoted names of the outbox tables and indexes derived
+// from the configured table name.
+type tables struct {
+	name      string // unquoted records table name, as configured
+	records   string
+	sequences string
+	index     func(suffix string) string
+}
+
+func tablesFor(name string) tables {
+	return tables{
+		name:      name,
+		records:   quote(name),
+		sequences: quote(name + "_sequences"),
+		index:     func(suffix string) string { return quote(name + "_" + suffix) },
+	}
+}
+
+func quote(ident string) string { return `"` + ident + `"` }
+
+// bindNumbered rewrites ? placeholders into $1, $2, ... Our statements
+// never contain a literal question mark.
+func bindNumbered(query string) string {
+	var b strings.Builder
+	b.Grow(len(query) + 16)
+	n := 0
+	for i := 0; i < len(query); i++ {
+		if query[i] == '?' {
+			n++
+			b.WriteByte('$')
+			b.WriteString(strconv.Itoa(n))
+			continue
+		}
+		b.WriteByte(query[i])
+	}
+	return b.String()
+}
+
+// releaseSequence undoes the sequence increment of an event that turned
+// out to be a duplicate. The caller still holds the row lock its own
+// increment took, so no other transaction has moved the sequence since.
+func releaseSequence(ctx context.Context, d dialect, conn gorm.ConnPool, t tables, e *encodedEvent) error {
+	_, err := conn.ExecContext(ctx, d.bind(`UPDATE `+t.sequences+
+		` SET last_sequence = last_sequence - 1 WHERE aggregate_type = ? AND aggregate_id = ?`),
+		e.aggregateType, e.aggregateID)
+	return err
+}
+
+// commonIndexes are the indexes both engines create, all partial so that
+// their size follows the live rows, not the delivered history:
+//   - due: the claim's scan, in its ORDER BY (next_attempt_at, id);
+//   - aggregate: the per-aggregate order check, over undelivered rows;
+//   - delivered: cleanup by age;
+//   - failed: the retry_failed sweep.
+func commonIndexes(t tables) []string {
+	return []string{
+		`CREATE INDEX IF NOT EXISTS ` + t.index("due") + ` ON ` + t.records +
+			` (next_attempt_at, id) WHERE delivery_state IN ('pending', 'retry', 'delivering')`,
+		`CREATE INDEX IF NOT EXISTS ` + t.index("aggregate") + ` ON ` + t.records +
+			` (aggregate_type, aggregate_id, aggregate_sequence) WHERE delivery_state <> 'delivered'`,
+		`CREATE INDEX IF NOT EXISTS ` + t.index("delivered") + ` ON ` + t.records +
+			` (delivered_at) WHERE delivery_state = 'delivered'`,
+		`CREATE INDEX IF NOT EXISTS ` + t.index("failed") + ` ON ` + t.records +
+			` (updated_at, id) WHERE delivery_state = 'failed'`,
+	}
+}

@@ -1,0 +1,99 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+)
+
+var (
+	// ErrInvalidEvent is returned (wrapped) when an event cannot be written:
+	// a required field is empty, its payload cannot be encoded as JSON, or a
+	// raw payload is not valid JSON. The business write it belongs to fails
+	// with it and nothing is written.
+	ErrInvalidEvent = errors.New("outbox: invalid event")
+
+	// ErrUnidentifiedRows is returned when a bulk Update or Delete by
+	// condition targets a model that emits events: the plugin cannot tell
+	// which rows change, so it refuses the statement before anything is
+	// written. Load the rows and write each one, or, when no event is wanted,
+	// run the statement through [WithoutEvents] (and [Publish] what is
+	// needed yourself).
+	ErrUnidentifiedRows = errors.New("outbox: bulk write of an emitting model without primary keys")
+
+	// ErrPluginNotRegistered is returned by [Publish] when the *gorm.DB has no
+	// outbox plugin: call db.Use(outbox.Plugin(...)) first.
+	ErrPluginNotRegistered = errors.New("outbox: plugin not registered on this *gorm.DB")
+
+	// ErrInvalidOption is returned (wrapped) by constructors and by
+	// db.Use(outbox.Plugin(...)) when an option's value is out of range; the
+	// message names the option.
+	ErrInvalidOption = errors.New("outbox: invalid option")
+
+	// ErrPermanent marks a publish failure that retrying cannot help; see
+	// [Permanent].
+	ErrPermanent = errors.New("outbox: permanent failure")
+
+	// ErrNotAttempted is what a publisher reports, inside a [*PartialError],
+	// for a message it did not try, for example because an earlier message
+	// of the same aggregate failed in the same batch. The message is put
+	// back without counting an attempt.
+	ErrNotAttempted = errors.New("outbox: message not attempted")
+)
+
+// Permanent marks err as a failure that retrying cannot help (a malformed
+// message, a rejected schema). A batch that fails with a permanent error is
+// dead-lettered at once: its rows go to the failed state without further
+// retries. errors.Is(Permanent(err), ErrPermanent) and errors.Is(Permanent(err),
+// err) both hold. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
+
+func (e *permanentError) Unwrap() []error { return []error{ErrPermanent, e.err} }
+
+// IsPermanent reports whether err, or any error it wraps, was marked with
+// [Permanent].
+func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
+
+// PartialError reports per-message outcomes of a partly accepted batch. A
+// publisher returns it (possibly wrapped) from Publish.
+//
+// Failed maps the EventID of every message that was not accepted to why.
+// Messages of the batch that are absent from Failed were accepted. A failure
+// marked with [Permanent] dead-letters that message; [ErrNotAttempted] puts
+// it back without counting an attempt; any other error schedules a retry.
+//
+// A publisher must not accept a message after a failed one of the same
+// aggregate in the same batch: report [ErrNotAttempted] for it instead, so
+// that per-aggregate order holds.
+type PartialError struct {
+	Failed map[string]error
+}
+
+// Error summarises the failures, in a stable order.
+func (e *PartialError) Error() string {
+	ids := make([]string, 0, len(e.Failed))
+	for id := range e.Failed {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	var b strings.Builder
+	fmt.Fprintf(&b, "outbox: %d message(s) not accepted", len(ids))
+	for i, id := range ids {
+		if i == 3 {
+			fmt.Fprintf(&b, "; and %d more", len(ids)-i)
+			break
+		}
+		fmt.Fprintf(&b, "; %s: %v", id, e.Failed[id])
+	}
+	return b.String()
+}

@@ -1,0 +1,129 @@
+package outbox
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Op names the kind of write that produced an event.
+type Op string
+
+// The write operations the plugin reports to an [Emitter].
+const (
+	OpCreate Op = "create"
+	OpUpdate Op = "update"
+	OpDelete Op = "delete"
+)
+
+// Event is a fact to record in the outbox, in the same transaction as the
+// business write it describes.
+//
+// Type, AggregateType and AggregateID are required. ID defaults to a fresh
+// UUIDv7, IdempotencyKey to ID and OccurredAt to the current time. Payload
+// is encoded with encoding/json; a json.RawMessage or []byte is stored as is
+// and must be valid JSON. A nil Payload is stored as JSON null.
+//
+// Writing an event whose IdempotencyKey is already in the outbox is a no-op
+// that returns no error and leaves the existing row untouched, for as long
+// as that row exists (cleanup of delivered rows frees their keys).
+type Event struct {
+	ID             string
+	Type           string
+	AggregateType  string
+	AggregateID    string
+	IdempotencyKey string
+	Payload        any
+	Headers        map[string]string
+	OccurredAt     time.Time
+}
+
+// Emitter is implemented by models that record events when they are
+// written. The plugin calls OutboxEvents after every create, update and
+// delete of the model, with the model's values as written, and records the
+// events it returns in the same transaction.
+//
+// OutboxEvents must be a pure function of the model: no I/O. An error it
+// returns fails the business write, and nothing is written. The method may
+// have a value or a pointer receiver.
+type Emitter interface {
+	OutboxEvents(op Op) ([]Event, error)
+}
+
+// encodedEvent is an Event checked, defaulted and encoded for storage.
+type encodedEvent struct {
+	id, typ, aggregateType, aggregateID, key string
+	payload                                  string
+	headers                                  *string
+	occurredAt                               time.Time
+}
+
+// encode validates e, fills its defaults and encodes its payload and
+// headers. Every error wraps ErrInvalidEvent.
+func (e Event) encode(now time.Time) (encodedEvent, error) {
+	switch {
+	case e.Type == "":
+		return encodedEvent{}, fmt.Errorf("%w: Type is empty", ErrInvalidEvent)
+	case e.AggregateType == "":
+		return encodedEvent{}, fmt.Errorf("%w %q: AggregateType is empty", ErrInvalidEvent, e.Type)
+	case e.AggregateID == "":
+		return encodedEvent{}, fmt.Errorf("%w %q: AggregateID is empty", ErrInvalidEvent, e.Type)
+	}
+	enc := encodedEvent{
+		id:            e.ID,
+		typ:           e.Type,
+		aggregateType: e.AggregateType,
+		aggregateID:   e.AggregateID,
+		key:           e.IdempotencyKey,
+		occurredAt:    e.OccurredAt,
+	}
+	if enc.id == "" {
+		id, err := uuid.NewV7()
+		if err != nil {
+			return encodedEvent{}, fmt.Errorf("outbox: event %q: generate ID: %w", e.Type, err)
+		}
+		enc.id = id.String()
+	}
+	if enc.key == "" {
+		enc.key = enc.id
+	}
+	if enc.occurredAt.IsZero() {
+		enc.occurredAt = now
+	}
+	payload, err := encodePayload(e.Payload)
+	if err != nil {
+		return encodedEvent{}, fmt.Errorf("%w %q: payload: %w", ErrInvalidEvent, e.Type, err)
+	}
+	enc.payload = payload
+	if e.Headers != nil {
+		h, err := json.Marshal(e.Headers)
+		if err != nil {
+			return encodedEvent{}, fmt.Errorf("%w %q: headers: %w", ErrInvalidEvent, e.Type, err)
+		}
+		s := string(h)
+		enc.headers = &s
+	}
+	return enc, nil
+}
+
+func encodePayload(p any) (string, error) {
+	var raw []byte
+	switch v := p.(type) {
+	case json.RawMessage:
+		raw = v
+	case []byte:
+		raw = v
+	default:
+		b, err := json.Marshal(v)
+		if err != nil {
+			return "", err
+		}
+		return string(b), nil
+	}
+	if !json.Valid(raw) {
+		return "", fmt.Errorf("raw payload is not valid JSON (%d bytes)", len(raw))
+	}
+	return string(raw), nil
+}

@@ -1,0 +1,207 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"time"
+
+	"gorm.io/gorm"
+)
+
+// registerCallbacks adds two callbacks to each of GORM's write chains:
+//
+//   - outbox:before_* runs just before GORM's before-hooks. It refuses
+//     writes on emitting models that it could not describe (bulk writes by
+//     condition, creates from maps) before anything is written, and, when
+//     the statement has no transaction (SkipDefaultTransaction), opens one.
+//   - outbox:after_* runs after GORM's after-hooks and just before
+//     gorm:commit_or_rollback_transaction, so that its rows go through the
+//     statement's own transaction. (A callback registered only After the
+//     write would be appended after the commit and write outside it.) It
+//     asks the models for their events and writes them; if outbox:before_*
+//     opened the transaction, it commits or rolls it back.
+func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
+	type registerer interface {
+		Register(name string, fn func(*gorm.DB)) error
+	}
+	cb := db.Callback()
+	for _, c := range []struct {
+		name string
+		at   registerer
+		fn   func(*gorm.DB)
+	}{
+		{"outbox:before_create", cb.Create().Before("gorm:before_create"), p.before(OpCreate)},
+		{"outbox:after_create", cb.Create().Before("gorm:commit_or_rollback_transaction"), p.after(OpCreate)},
+		{"outbox:before_update", cb.Update().Before("gorm:before_update"), p.before(OpUpdate)},
+		{"outbox:after_update", cb.Update().Before("gorm:commit_or_rollback_transaction"), p.after(OpUpdate)},
+		{"outbox:before_delete", cb.Delete().Before("gorm:before_delete"), p.before(OpDelete)},
+		{"outbox:after_delete", cb.Delete().Before("gorm:commit_or_rollback_transaction"), p.after(OpDelete)},
+	} {
+		if err := c.at.Register(c.name, c.fn); err != nil {
+			return fmt.Errorf("outbox: register callback %s: %w", c.name, err)
+		}
+	}
+	return nil
+}
+
+const startedTxKey = "outbox:started_transaction"
+
+func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
+	return func(db *gorm.DB) {
+		if db.Error != nil || eventsSkipped(db) {
+			return
+		}
+		stmt := db.Statement
+		if stmt.Schema == nil || p.emitterFor(stmt.Schema.ModelType) == nil {
+			return
+		}
+		if err := describable(stmt, op); err != nil {
+			_ = db.AddError(err)
+			return
+		}
+		if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
+			return
+		}
+		tx := db.Begin()
+		if tx.Error != nil {
+			_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
+			return
+		}
+		stmt.ConnPool = tx.Statement.ConnPool
+		db.InstanceSet(startedTxKey, true)
+	}
+}
+
+func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
+	return func(db *gorm.DB) {
+		defer finishTransaction(db)
+		if db.Error != nil || eventsSkipped(db) {
+			return
+		}
+		stmt := db.Statement
+		if stmt.Schema == nil {
+			return
+		}
+		emit := p.emitterFor(stmt.Schema.ModelType)
+		if emit == nil {
+			return
+		}
+		// An update or delete of one identified row that matched nothing
+		// changed nothing, so there is no fact to report.
+		if op != OpCreate && stmt.ReflectValue.Kind() == reflect.Struct && db.RowsAffected == 0 {
+			return
+		}
+		var events []Event
+		err := eachModel(stmt.ReflectValue, func(model reflect.Value) error {
+			evs, err := emit(model.Addr().Interface(), op)
+			if err != nil {
+				return fmt.Errorf("outbox: %s.OutboxEvents(%s): %w", stmt.Schema.Name, op, err)
+			}
+			events = append(events, evs...)
+			return nil
+		})
+		if err == nil {
+			err = p.write(stmt.Context, db, stmt.ConnPool, events)
+		}
+		if err != nil {
+			_ = db.AddError(err)
+		}
+	}
+}
+
+// finishTransaction commits or rolls back the transaction that
+// outbox:before_* opened, if it did.
+func finishTransaction(db *gorm.DB) {
+	if _, ok := db.InstanceGet(startedTxKey); !ok {
+		return
+	}
+	if db.Error != nil {
+		db.Rollback()
+	} else {
+		db.Commit()
+	}
+	db.Statement.ConnPool = db.ConnPool
+}
+
+// describable reports why the plugin cannot build the events of stmt, if it
+// cannot: events are built from model values, so the statement must carry
+// them, and an update or delete must name its rows by primary key.
+func describable(stmt *gorm.Statement, op Op) error {
+	rv := stmt.ReflectValue
+	switch rv.Kind() {
+	case reflect.Struct, reflect.Slice, reflect.Array:
+	default:
+		return fmt.Errorf("%w: %s of %s from a %s: events are built from model values; write a %s value, or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name, rv.Kind(), stmt.Schema.Name)
+	}
+	if op == OpCreate {
+		return nil
+	}
+	if len(stmt.Schema.PrimaryFields) == 0 {
+		return fmt.Errorf("%w: %s of %s: the model has no primary key", ErrUnidentifiedRows, op, stmt.Schema.Name)
+	}
+	anonymous := rv.Kind() != reflect.Struct && rv.Len() == 0
+	_ = eachModel(rv, func(model reflect.Value) error {
+		for _, pk := range stmt.Schema.PrimaryFields {
+			if _, zero := pk.ValueOf(stmt.Context, model); zero {
+				anonymous = true
+			}
+		}
+		return nil
+	})
+	if anonymous {
+		return fmt.Errorf("%w: %s of %s by condition: the plugin cannot tell which rows change; load the rows and write each one (db.Model(&row).Updates(...), db.Delete(&row)), or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name)
+	}
+	return nil
+}
+
+// eachModel calls fn with every model struct held by rv (a struct, or a
+// slice or array of structs or pointers to structs), always addressable.
+func eachModel(rv reflect.Value, fn func(reflect.Value) error) error {
+	switch rv.Kind() {
+	case reflect.Slice, reflect.Array:
+		for i := 0; i < rv.Len(); i++ {
+			if err := eachModel(reflect.Indirect(rv.Index(i)), fn); err != nil {
+				return err
+			}
+		}
+		return nil
+	case reflect.Struct:
+		if !rv.CanAddr() {
+			cp := reflect.New(rv.Type()).Elem()
+			cp.Set(rv)
+			rv = cp
+		}
+		return fn(rv)
+	default:
+		return nil
+	}
+}
+
+// write validates and encodes every event first, so that a bad one writes
+// nothing, then stores them through conn in order.
+func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPool, events []Event) error {
+	if len(events) == 0 {
+		return nil
+	}
+	d, err := dialectOf(db)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	encoded := make([]encodedEvent, len(events))
+	for i, ev := range events {
+		if encoded[i], err = ev.encode(now); err != nil {
+			return err
+		}
+	}
+	for i := range encoded {
+		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now); err != nil {
+			return fmt.Errorf("outbox: write event %q (%s %s/%s): %w",
+				encoded[i].id, encoded[i].typ, encoded[i].aggregateType, encoded[i].aggregateID, err)
+		}
+	}
+	return nil
+}

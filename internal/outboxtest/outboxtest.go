@@ -1,0 +1,169 @@
+// Package outboxtest opens real databases for the library's tests: a
+// temporary SQLite file, and a PostgreSQL schema of its own on the server
+// named by OUTBOX_POSTGRES_DSN. Each call returns an isolated database that
+// is removed when the test ends.
+package outboxtest
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"gorm.io/driver/postgres"
+	"gorm.io/driver/sqlite"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
+)
+
+// DefaultPostgresDSN is used when OUTBOX_POSTGRES_DSN is not set.
+const DefaultPostgresDSN = "host=127.0.0.1 port=5432 user=postgres dbname=test sslmode=disable"
+
+// PostgresDSN returns the server to test against.
+func PostgresDSN() string {
+	if dsn := os.Getenv("OUTBOX_POSTGRES_DSN"); dsn != "" {
+		return dsn
+	}
+	return DefaultPostgresDSN
+}
+
+// Engine names a database engine the tests run against.
+type Engine string
+
+// The engines.
+const (
+	SQLite   Engine = "SQLite"
+	Postgres Engine = "Postgres"
+)
+
+// Engines lists every engine, for tests that run one suite against each.
+var Engines = []Engine{SQLite, Postgres}
+
+// DB is an isolated test database.
+type DB struct {
+	Engine Engine
+	// DSN opens the same database again, for example from a second
+	// process.
+	DSN string
+	// Config is the gorm.Config DB was opened with.
+	Config *gorm.Config
+}
+
+// Open returns a fresh, empty database on engine e, opened with cfg (nil
+// for the defaults), and removes it when t ends.
+func Open(t testing.TB, e Engine, cfg *gorm.Config) (*gorm.DB, DB) {
+	t.Helper()
+	switch e {
+	case SQLite:
+		return openSQLite(t, cfg)
+	case Postgres:
+		return openPostgres(t, cfg)
+	}
+	t.Fatalf("outboxtest: unknown engine %q", e)
+	return nil, DB{}
+}
+
+// Reopen opens another *gorm.DB (another pool) on the database info names.
+func Reopen(t testing.TB, info DB, cfg *gorm.Config) *gorm.DB {
+	t.Helper()
+	db, err := gorm.Open(dialector(info.Engine, info.DSN), config(cfg))
+	if err != nil {
+		t.Fatalf("outboxtest: reopen %s: %v", info.Engine, err)
+	}
+	t.Cleanup(func() { closeDB(db) })
+	return db
+}
+
+// Dialector returns the GORM dialector for engine e and dsn, for code
+// outside tests (helper processes) that opens a database a test made.
+func Dialector(e Engine, dsn string) gorm.Dialector { return dialector(e, dsn) }
+
+func dialector(e Engine, dsn string) gorm.Dialector {
+	if e == Postgres {
+		return postgres.Open(dsn)
+	}
+	return sqlite.Open(dsn)
+}
+
+func config(cfg *gorm.Config) *gorm.Config {
+	if cfg == nil {
+		cfg = &gorm.Config{}
+	}
+	c := *cfg
+	if c.Logger == nil {
+		c.Logger = logger.Discard
+	}
+	return &c
+}
+
+// SQLiteDSN returns the DSN the tests use for a SQLite file: WAL, a busy
+// timeout, and BEGIN IMMEDIATE so that concurrent writers queue instead of
+// failing.
+func SQLiteDSN(path string) string {
+	return "file:" + path + "?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate&_foreign_keys=1"
+}
+
+func openSQLite(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
+	t.Helper()
+	dsn := SQLiteDSN(filepath.Join(t.TempDir(), "outbox.db"))
+	db, err := gorm.Open(sqlite.Open(dsn), config(cfg))
+	if err != nil {
+		t.Fatalf("outboxtest: open SQLite: %v", err)
+	}
+	t.Cleanup(func() { closeDB(db) })
+	return db, DB{Engine: SQLite, DSN: dsn, Config: cfg}
+}
+
+var schemaSeq atomic.Int64
+
+func openPostgres(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
+	t.Helper()
+	base := PostgresDSN()
+	admin, err := sql.Open("pgx", base)
+	if err == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		err = admin.PingContext(ctx)
+		cancel()
+	}
+	if err != nil {
+		if admin != nil {
+			admin.Close()
+		}
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("outboxtest: PostgreSQL at %q does not answer (CI=true, so this fails instead of skipping): %v", base, err)
+		}
+		t.Skipf("outboxtest: skipping: no PostgreSQL server at %q (set OUTBOX_POSTGRES_DSN): %v", base, err)
+	}
+	schema := fmt.Sprintf("outbox_test_%d_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9, schemaSeq.Add(1))
+	if _, err := admin.Exec(`CREATE SCHEMA ` + schema); err != nil {
+		admin.Close()
+		t.Fatalf("outboxtest: create schema: %v", err)
+	}
+	dsn := base + " search_path=" + schema
+	db, err := gorm.Open(postgres.Open(dsn), config(cfg))
+	if err != nil {
+		admin.Close()
+		t.Fatalf("outboxtest: open PostgreSQL: %v", err)
+	}
+	t.Cleanup(func() {
+		closeDB(db)
+		if _, err := admin.Exec(`DROP SCHEMA ` + schema + ` CASCADE`); err != nil && !strings.Contains(err.Error(), "does not exist") {
+			t.Errorf("outboxtest: drop schema %s: %v", schema, err)
+		}
+		admin.Close()
+	})
+	return db, DB{Engine: Postgres, DSN: dsn, Config: cfg}
+}
+
+func closeDB(db *gorm.DB) {
+	if sqlDB, err := db.DB(); err == nil {
+		sqlDB.Close()
+	}
+}

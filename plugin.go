@@ -1,0 +1,164 @@
+package outbox
+
+import (
+	"fmt"
+	"reflect"
+	"regexp"
+	"sync"
+
+	"gorm.io/gorm"
+)
+
+// DefaultTable is the name of the outbox table unless [WithTable] says
+// otherwise. The per-aggregate sequence state lives beside it, in the table
+// named DefaultTable + "_sequences".
+const DefaultTable = "outbox_records"
+
+const pluginName = "outbox"
+
+// OutboxPlugin is a gorm.Plugin that records outbox events in the
+// transaction of the business write they describe. Create one with
+// [Plugin] and register it with db.Use.
+//
+// Once registered, every Create, Update, Save and Delete of a model that
+// emits events (an [Emitter], or a type given to [RegisterEmitter]) writes
+// the model's events to the outbox table through the same connection and
+// transaction. The outbox rows commit if and only if the business write
+// commits: inside db.Transaction, inside GORM's default per-statement
+// transaction, inside savepoints, and with SkipDefaultTransaction, where the
+// plugin opens a transaction of its own for statements on emitting models.
+//
+// An OutboxPlugin is safe for concurrent use.
+type OutboxPlugin struct {
+	tables tables
+	err    error // an invalid option, reported by Initialize
+
+	mu       sync.RWMutex
+	emitters map[reflect.Type]func(model any, op Op) ([]Event, error)
+}
+
+// Option configures a [Plugin].
+type Option func(*OutboxPlugin) error
+
+// identifierRE accepts plain SQL identifiers short enough that every name
+// derived from them (sequence table, indexes) fits PostgreSQL's 63 bytes.
+var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,47}$`)
+
+// WithTable sets the name of the outbox table (default [DefaultTable]).
+// The name must be a plain identifier: a letter or underscore, then
+// letters, digits or underscores, 48 characters at most. It is used quoted,
+// so its case is kept. The dispatcher must be given the same name.
+func WithTable(name string) Option {
+	return func(p *OutboxPlugin) error {
+		if err := validateTable(name); err != nil {
+			return err
+		}
+		p.tables = tablesFor(name)
+		return nil
+	}
+}
+
+func validateTable(name string) error {
+	if !identifierRE.MatchString(name) {
+		return fmt.Errorf("%w: WithTable: %q is not a plain identifier of at most 48 characters ([A-Za-z_][A-Za-z0-9_]*)", ErrInvalidOption, name)
+	}
+	return nil
+}
+
+// Plugin returns the outbox plugin, to be registered with db.Use. An
+// invalid option makes db.Use fail with an error wrapping
+// [ErrInvalidOption]; so does an engine other than PostgreSQL or SQLite.
+func Plugin(opts ...Option) *OutboxPlugin {
+	p := &OutboxPlugin{
+		tables:   tablesFor(DefaultTable),
+		emitters: make(map[reflect.Type]func(any, Op) ([]Event, error)),
+	}
+	for _, opt := range opts {
+		if err := opt(p); err != nil && p.err == nil {
+			p.err = err
+		}
+	}
+	return p
+}
+
+// Name returns "outbox", the key under which GORM keeps the plugin.
+func (p *OutboxPlugin) Name() string { return pluginName }
+
+// Initialize registers the plugin's callbacks on db. GORM calls it from
+// db.Use.
+func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
+	if p.err != nil {
+		return p.err
+	}
+	if _, err := dialectOf(db); err != nil {
+		return err
+	}
+	return p.registerCallbacks(db)
+}
+
+// Table returns the name of the outbox table the plugin writes to.
+func (p *OutboxPlugin) Table() string { return p.tables.name }
+
+// RegisterEmitter attaches events to a model type T that cannot implement
+// [Emitter] itself, for example a type from another package. After every
+// create, update and delete of a T, the plugin calls fn with the model as
+// written and records the events it returns, exactly as for an Emitter.
+//
+// It fails if T is not a struct type, already has an emitter registered, or
+// implements Emitter itself. It may be called before or after db.Use; a
+// write that starts after it returns sees the registration.
+func RegisterEmitter[T any](p *OutboxPlugin, fn func(model *T, op Op) ([]Event, error)) error {
+	t := reflect.TypeFor[T]()
+	switch {
+	case fn == nil:
+		return fmt.Errorf("%w: RegisterEmitter[%s]: nil function", ErrInvalidOption, t)
+	case t.Kind() != reflect.Struct:
+		return fmt.Errorf("%w: RegisterEmitter[%s]: not a struct type", ErrInvalidOption, t)
+	case reflect.PointerTo(t).Implements(emitterType):
+		return fmt.Errorf("%w: RegisterEmitter[%s]: the type implements Emitter already", ErrInvalidOption, t)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, dup := p.emitters[t]; dup {
+		return fmt.Errorf("%w: RegisterEmitter[%s]: registered twice", ErrInvalidOption, t)
+	}
+	p.emitters[t] = func(model any, op Op) ([]Event, error) { return fn(model.(*T), op) }
+	return nil
+}
+
+var emitterType = reflect.TypeFor[Emitter]()
+
+// emitterFor returns how to get the events of a model of type t (a struct
+// type), or nil when t does not emit.
+func (p *OutboxPlugin) emitterFor(t reflect.Type) func(model any, op Op) ([]Event, error) {
+	if reflect.PointerTo(t).Implements(emitterType) {
+		return func(model any, op Op) ([]Event, error) { return model.(Emitter).OutboxEvents(op) }
+	}
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	return p.emitters[t]
+}
+
+const skipEventsKey = "outbox:skip_events"
+
+// WithoutEvents returns db set up so that the statements run through it
+// record no outbox events, even on models that emit them. Use it for bulk
+// writes by condition (see [ErrUnidentifiedRows]), backfills and data
+// repairs; [Publish] still records what it is given.
+func WithoutEvents(db *gorm.DB) *gorm.DB { return db.Set(skipEventsKey, true) }
+
+func eventsSkipped(db *gorm.DB) bool {
+	v, ok := db.Get(skipEventsKey)
+	skip, _ := v.(bool)
+	return ok && skip
+}
+
+// pluginOf returns the outbox plugin registered on db.
+func pluginOf(db *gorm.DB) (*OutboxPlugin, error) {
+	if pl, ok := db.Config.Plugins[pluginName]; ok {
+		if p, ok := pl.(*OutboxPlugin); ok {
+			return p, nil
+		}
+	}
+	return nil, ErrPluginNotRegistered
+}

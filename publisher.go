@@ -1,0 +1,68 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"time"
+)
+
+// Message is one outbox event as a [Publisher] receives it.
+//
+// Messages are delivered at least once: a consumer deduplicates on EventID
+// (or IdempotencyKey). Within one aggregate, Sequence is 1, 2, 3, ... in
+// commit order with no gaps, and the dispatcher never hands out sequence n+1
+// before sequence n has been accepted.
+type Message struct {
+	// EventID is the event's unique identifier (outbox_records.event_id).
+	EventID string `json:"event_id"`
+	// EventType is the kind of fact, for example "order.created".
+	EventType string `json:"event_type"`
+	// AggregateType and AggregateID name the entity the event is about.
+	AggregateType string `json:"aggregate_type"`
+	AggregateID   string `json:"aggregate_id"`
+	// Sequence is the event's position within its aggregate, starting at 1.
+	Sequence int64 `json:"sequence"`
+	// IdempotencyKey is the key the event was written under; it defaults to
+	// EventID.
+	IdempotencyKey string `json:"idempotency_key"`
+	// Payload is the event's JSON document, exactly as stored.
+	Payload json.RawMessage `json:"payload"`
+	// Headers are the event's string headers, possibly nil.
+	Headers map[string]string `json:"headers,omitempty"`
+	// OccurredAt is when the fact happened, as the writer said.
+	OccurredAt time.Time `json:"occurred_at"`
+	// Attempt is 1 on the first delivery attempt, 2 on the second, ...
+	Attempt int `json:"attempt"`
+}
+
+// Batch is a group of messages handed to a [Publisher] in one call.
+//
+// ID is stored in outbox_records.batch_id for every message of the batch and
+// is fresh for every claim, so a gateway can use it as the idempotency key of
+// the whole batch. Messages of one aggregate appear in Sequence order.
+type Batch struct {
+	ID       string    `json:"batch_id"`
+	Messages []Message `json:"messages"`
+}
+
+// Publisher delivers batches of messages to the outside world.
+//
+// Publish returns nil when every message was accepted, and an error when
+// none was: all of the batch is then retried with backoff. An error for which
+// [IsPermanent] is true (see [Permanent]) dead-letters the whole batch at
+// once. To report a partly accepted batch, return a [*PartialError] that
+// names the messages that were not accepted.
+//
+// Publish is called outside any database transaction, with a context whose
+// deadline is shorter than the dispatcher's lease. It must honour that
+// context: a batch whose publish outlives the lease may be delivered again by
+// another dispatcher.
+type Publisher interface {
+	Publish(ctx context.Context, b Batch) error
+}
+
+// PublisherFunc adapts an ordinary function to the [Publisher] interface.
+type PublisherFunc func(ctx context.Context, b Batch) error
+
+// Publish calls f(ctx, b).
+func (f PublisherFunc) Publish(ctx context.Context, b Batch) error { return f(ctx, b) }

@@ -1,0 +1,533 @@
+package outbox_test
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
+)
+
+func TestCreateRecordsEventWithDefaults(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		before := time.Now()
+		o := Order{Status: "new", Total: 42}
+		if err := b.db.Create(&o).Error; err != nil {
+			t.Fatal(err)
+		}
+		rs := b.records(t)
+		if len(rs) != 1 {
+			t.Fatalf("got %d outbox rows, want 1", len(rs))
+		}
+		r := rs[0]
+		if r.EventType != "order.create" || r.AggregateType != "order" || r.AggregateID != fmt.Sprint(o.ID) {
+			t.Errorf("row = %s %s/%s, want order.create order/%d", r.EventType, r.AggregateType, r.AggregateID, o.ID)
+		}
+		id, err := uuid.Parse(r.EventID)
+		if err != nil || id.Version() != 7 {
+			t.Errorf("event_id %q is not a UUIDv7 (%v)", r.EventID, err)
+		}
+		if r.IdempotencyKey != r.EventID {
+			t.Errorf("idempotency_key = %q, want the event_id %q", r.IdempotencyKey, r.EventID)
+		}
+		if r.AggregateSequence != 1 || r.DeliveryState != "pending" || r.DeliveryAttempts != 0 {
+			t.Errorf("sequence, state, attempts = %d, %s, %d; want 1, pending, 0", r.AggregateSequence, r.DeliveryState, r.DeliveryAttempts)
+		}
+		var got Order
+		if err := json.Unmarshal([]byte(r.Payload), &got); err != nil || got != o {
+			t.Errorf("payload %s decodes to %+v (%v), want %+v", r.Payload, got, err, o)
+		}
+		if r.OccurredAt.Before(before.Add(-time.Second)) || r.OccurredAt.After(time.Now().Add(time.Second)) {
+			t.Errorf("occurred_at %v is not the time of the write", r.OccurredAt)
+		}
+		if r.NextAttemptAt.After(time.Now().Add(time.Second)) {
+			t.Errorf("next_attempt_at %v is in the future: the event is not due at once", r.NextAttemptAt)
+		}
+		if r.Headers.Valid || r.BatchID.Valid || r.LockedUntil.Valid || r.DeliveredAt.Valid {
+			t.Errorf("headers, batch_id, locked_until, delivered_at = %v, %v, %v, %v; want all NULL", r.Headers, r.BatchID, r.LockedUntil, r.DeliveredAt)
+		}
+	})
+}
+
+func TestNonEmittingModelRecordsNothing(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		w := Widget{Name: "w"}
+		if err := b.db.Create(&w).Error; err != nil {
+			t.Fatal(err)
+		}
+		if err := b.db.Model(&Widget{}).Where("name = ?", "w").Update("name", "v").Error; err != nil {
+			t.Fatalf("a bulk update of a model without events must work: %v", err)
+		}
+		if n := len(b.records(t)); n != 0 {
+			t.Fatalf("got %d outbox rows, want 0", n)
+		}
+	})
+}
+
+// TestOutboxRowsCommitIffBusinessWriteCommits checks atomicity in every kind
+// of transaction, in both directions: a rolled-back business write leaves no
+// event, and a failed event write leaves no business row.
+func TestOutboxRowsCommitIffBusinessWriteCommits(t *testing.T) {
+	cases := []struct {
+		name string
+		cfg  *gorm.Config
+		// run writes and returns the orders that must exist afterwards; every
+		// other order and its events must not.
+		run func(t *testing.T, db *gorm.DB) []string
+	}{
+		{"ExplicitTransactionCommits", nil, func(t *testing.T, db *gorm.DB) []string {
+			mustNil(t, db.Transaction(func(tx *gorm.DB) error { return tx.Create(&Order{Status: "a"}).Error }))
+			return []string{"a"}
+		}},
+		{"ExplicitTransactionRollsBack", nil, func(t *testing.T, db *gorm.DB) []string {
+			err := db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&Order{Status: "a"}).Error; err != nil {
+					return err
+				}
+				return errors.New("abort")
+			})
+			mustErr(t, err)
+			return nil
+		}},
+		{"SavepointRollsBack", nil, func(t *testing.T, db *gorm.DB) []string {
+			mustNil(t, db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&Order{Status: "outer"}).Error; err != nil {
+					return err
+				}
+				_ = tx.Transaction(func(tx2 *gorm.DB) error {
+					if err := tx2.Create(&Order{Status: "inner"}).Error; err != nil {
+						return err
+					}
+					return errors.New("roll back the savepoint")
+				})
+				return tx.Create(&Order{Status: "after"}).Error
+			}))
+			return []string{"outer", "after"}
+		}},
+		{"ManualSavepointRollsBack", nil, func(t *testing.T, db *gorm.DB) []string {
+			tx := db.Begin()
+			mustNil(t, tx.Create(&Order{Status: "kept"}).Error)
+			mustNil(t, tx.SavePoint("sp").Error)
+			mustNil(t, tx.Create(&Order{Status: "undone"}).Error)
+			mustNil(t, tx.RollbackTo("sp").Error)
+			mustNil(t, tx.Commit().Error)
+			return []string{"kept"}
+		}},
+		{"DefaultTransactionFailsOnBadEvent", nil, func(t *testing.T, db *gorm.DB) []string {
+			mustErr(t, db.Create(&Broken{Mode: "no-type"}).Error)
+			return nil
+		}},
+		{"SkipDefaultTransactionFailsOnBadEvent", &gorm.Config{SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustErr(t, db.Create(&Broken{Mode: "no-type"}).Error)
+			return nil
+		}},
+		{"SkipDefaultTransactionSessionFailsOnBadEvent", nil, func(t *testing.T, db *gorm.DB) []string {
+			s := db.Session(&gorm.Session{SkipDefaultTransaction: true})
+			mustErr(t, s.Create(&Broken{Mode: "error"}).Error)
+			return nil
+		}},
+		{"SkipDefaultTransactionCommits", &gorm.Config{SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustNil(t, db.Create(&Order{Status: "a"}).Error)
+			mustNil(t, db.Create(&Broken{Mode: "ok"}).Error)
+			return []string{"a", "broken"}
+		}},
+		{"SkipDefaultTransactionFailedInsertLeavesNoEvent", &gorm.Config{SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustNil(t, db.Create(&Order{ID: 7, Status: "a"}).Error)
+			mustErr(t, db.Create(&Order{ID: 7, Status: "dup"}).Error)
+			return []string{"a"}
+		}},
+		{"SkipDefaultTransactionExplicitTransactionRollsBack", &gorm.Config{SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustErr(t, db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&Order{Status: "a"}).Error; err != nil {
+					return err
+				}
+				return errors.New("abort")
+			}))
+			return nil
+		}},
+		{"PublishRollsBackWithTransaction", nil, func(t *testing.T, db *gorm.DB) []string {
+			mustErr(t, db.Transaction(func(tx *gorm.DB) error {
+				if err := outbox.Publish(tx, outbox.Event{Type: "x", AggregateType: "order", AggregateID: "1"}); err != nil {
+					return err
+				}
+				return errors.New("abort")
+			}))
+			return nil
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, c.cfg)
+				want := c.run(t, b.db)
+				var statuses []string
+				mustNil(t, b.db.Model(&Order{}).Order("id").Pluck("status", &statuses).Error)
+				var broken int64
+				mustNil(t, b.db.Model(&Broken{}).Count(&broken).Error)
+				if broken > 0 {
+					statuses = append(statuses, "broken")
+				}
+				if fmt.Sprint(statuses) != fmt.Sprint(want) {
+					t.Fatalf("business rows %v, want %v", statuses, want)
+				}
+				// Every committed business row has its events, and no other
+				// event exists.
+				wantEvents := len(want)
+				if broken > 0 {
+					wantEvents++ // Broken "ok" writes two events
+				}
+				if n := len(b.records(t)); n != wantEvents {
+					t.Fatalf("got %d outbox rows, want %d", n, wantEvents)
+				}
+			})
+		})
+	}
+}
+
+func TestEveryWritePathEmits(t *testing.T) {
+	cases := []struct {
+		name string
+		// run writes starting from order 1 {Status: "new", Total: 1} and
+		// returns the event types and statuses it expects, after the create.
+		run  func(t *testing.T, db *gorm.DB, o *Order)
+		want []string
+	}{
+		{"Save", func(t *testing.T, db *gorm.DB, o *Order) {
+			o.Status = "saved"
+			mustNil(t, db.Save(o).Error)
+		}, []string{"order.update:saved"}},
+		{"UpdatesStruct", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Model(o).Updates(Order{Status: "paid"}).Error)
+		}, []string{"order.update:paid"}},
+		{"UpdatesMap", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Model(o).Updates(map[string]any{"status": "shipped"}).Error)
+		}, []string{"order.update:shipped"}},
+		{"UpdateColumn", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Model(o).Update("status", "closed").Error)
+		}, []string{"order.update:closed"}},
+		{"Delete", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Delete(o).Error)
+		}, []string{"order.delete:new"}},
+		{"DeleteOfMissingRowEmitsNothing", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Delete(&Order{ID: 999}).Error)
+		}, nil},
+		{"CreateSlice", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Create([]*Order{{Status: "s1"}, {Status: "s2"}, {Status: "s3"}}).Error)
+		}, []string{"order.create:s1", "order.create:s2", "order.create:s3"}},
+		{"CreateInBatches", func(t *testing.T, db *gorm.DB, o *Order) {
+			os := []Order{{Status: "b1"}, {Status: "b2"}, {Status: "b3"}, {Status: "b4"}, {Status: "b5"}}
+			mustNil(t, db.CreateInBatches(os, 2).Error)
+		}, []string{"order.create:b1", "order.create:b2", "order.create:b3", "order.create:b4", "order.create:b5"}},
+		{"SaveSliceOfNew", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Save(&[]Order{{Status: "v1"}, {Status: "v2"}}).Error)
+		}, []string{"order.create:v1", "order.create:v2"}},
+		{"ValueReceiverEmitter", func(t *testing.T, db *gorm.DB, o *Order) {
+			mustNil(t, db.Create(&Note{Text: "hi"}).Error)
+		}, []string{"note.create:"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				o := &Order{Status: "new", Total: 1}
+				mustNil(t, b.db.Create(o).Error)
+				c.run(t, b.db, o)
+				var got []string
+				for _, r := range b.records(t)[1:] {
+					var p struct{ Status string }
+					mustNil(t, json.Unmarshal([]byte(r.Payload), &p))
+					got = append(got, r.EventType+":"+p.Status)
+				}
+				if fmt.Sprint(got) != fmt.Sprint(c.want) {
+					t.Fatalf("events after the create: %v, want %v", got, c.want)
+				}
+			})
+		})
+	}
+}
+
+func TestBulkWriteByConditionFails(t *testing.T) {
+	cases := []struct {
+		name string
+		run  func(db *gorm.DB) error
+	}{
+		{"UpdateWhere", func(db *gorm.DB) error {
+			return db.Model(&Order{}).Where("status = ?", "new").Update("status", "x").Error
+		}},
+		{"UpdatesWhere", func(db *gorm.DB) error {
+			return db.Model(&Order{}).Where("total > ?", 0).Updates(Order{Status: "x"}).Error
+		}},
+		{"DeleteWhere", func(db *gorm.DB) error {
+			return db.Where("status = ?", "new").Delete(&Order{}).Error
+		}},
+		{"DeleteByInlineKey", func(db *gorm.DB) error {
+			return db.Delete(&Order{}, 1).Error
+		}},
+		{"CreateFromMap", func(db *gorm.DB) error {
+			return db.Model(&Order{}).Create(map[string]any{"status": "x"}).Error
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				mustNil(t, b.db.Create(&Order{Status: "new", Total: 1}).Error)
+				err := c.run(b.db)
+				if !errors.Is(err, outbox.ErrUnidentifiedRows) {
+					t.Fatalf("err = %v, want ErrUnidentifiedRows", err)
+				}
+				if !strings.Contains(err.Error(), "WithoutEvents") {
+					t.Errorf("the error does not say how to opt out: %v", err)
+				}
+				var os []Order
+				mustNil(t, b.db.Find(&os).Error)
+				if len(os) != 1 || os[0].Status != "new" {
+					t.Fatalf("business rows changed: %+v", os)
+				}
+				if n := len(b.records(t)); n != 1 {
+					t.Fatalf("got %d outbox rows, want only the create's", n)
+				}
+				// The documented opt-out runs the statement and records nothing.
+				mustNil(t, c.run(outbox.WithoutEvents(b.db)))
+				if n := len(b.records(t)); n != 1 {
+					t.Fatalf("WithoutEvents recorded %d outbox rows, want 1", n)
+				}
+			})
+		})
+	}
+}
+
+func TestInvalidEventFailsWriteAndWritesNothing(t *testing.T) {
+	cases := []struct {
+		mode string
+		want error
+		says string
+	}{
+		{"no-type", outbox.ErrInvalidEvent, "Type is empty"},
+		{"no-aggregate-type", outbox.ErrInvalidEvent, "AggregateType is empty"},
+		{"no-aggregate-id", outbox.ErrInvalidEvent, "AggregateID is empty"},
+		{"channel", outbox.ErrInvalidEvent, "unsupported type"},
+		{"function", outbox.ErrInvalidEvent, "unsupported type"},
+		{"cycle", outbox.ErrInvalidEvent, "cycle"},
+		{"raw-invalid", outbox.ErrInvalidEvent, "not valid JSON"},
+		{"bytes-invalid", outbox.ErrInvalidEvent, "not valid JSON"},
+		{"raw-empty", outbox.ErrInvalidEvent, "not valid JSON"},
+		{"error", errEmitter, "OutboxEvents"},
+	}
+	for _, c := range cases {
+		t.Run(c.mode, func(t *testing.T) {
+			t.Parallel()
+			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				err := b.db.Create(&Broken{Mode: c.mode}).Error
+				if !errors.Is(err, c.want) || !strings.Contains(err.Error(), c.says) {
+					t.Fatalf("err = %v, want %v saying %q", err, c.want, c.says)
+				}
+				var n int64
+				mustNil(t, b.db.Model(&Broken{}).Count(&n).Error)
+				if n != 0 || len(b.records(t)) != 0 {
+					t.Fatalf("%d business rows and %d outbox rows written, want none", n, len(b.records(t)))
+				}
+				// The same bad event through Publish fails the same way.
+				err = b.db.Transaction(func(tx *gorm.DB) error {
+					evs, err := (&Broken{ID: 1, Mode: c.mode}).OutboxEvents(outbox.OpCreate)
+					if err != nil {
+						return err
+					}
+					return outbox.Publish(tx, evs...)
+				})
+				if !errors.Is(err, c.want) || len(b.records(t)) != 0 {
+					t.Fatalf("Publish: err = %v and %d rows, want %v and none", err, len(b.records(t)), c.want)
+				}
+			})
+		})
+	}
+}
+
+func TestDuplicateIdempotencyKeyLeavesOneUnchangedRow(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		ev := outbox.Event{Type: "order.paid", AggregateType: "order", AggregateID: "1", IdempotencyKey: "pay-1", Payload: map[string]int{"v": 1}}
+		mustNil(t, outbox.Publish(b.db, ev))
+		// Same transaction twice, then another transaction.
+		mustNil(t, b.db.Transaction(func(tx *gorm.DB) error {
+			dup := ev
+			dup.Payload = map[string]int{"v": 2}
+			if err := outbox.Publish(tx, dup); err != nil {
+				return err
+			}
+			return outbox.Publish(tx, dup)
+		}))
+		// Delivered rows are never reset to pending by a re-publish.
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered'`).Error)
+		mustNil(t, outbox.Publish(b.db, ev))
+		rs := b.records(t)
+		if len(rs) != 1 {
+			t.Fatalf("got %d rows for one idempotency key, want 1", len(rs))
+		}
+		if rs[0].DeliveryState != "delivered" || !strings.Contains(rs[0].Payload, `1`) {
+			t.Fatalf("the existing row changed: state %s, payload %s", rs[0].DeliveryState, rs[0].Payload)
+		}
+		// Duplicates consume no sequence number.
+		mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "order.shipped", AggregateType: "order", AggregateID: "1"}))
+		if rs := b.records(t); rs[1].AggregateSequence != 2 {
+			t.Fatalf("the next event got sequence %d, want 2", rs[1].AggregateSequence)
+		}
+	})
+}
+
+func TestSequenceCountsPerAggregate(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		for _, agg := range []string{"a", "b", "a", "a", "b", "c"} {
+			mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "order", AggregateID: agg}))
+		}
+		// The same id under another aggregate type is another aggregate.
+		mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "invoice", AggregateID: "a"}))
+		var got []string
+		for _, r := range b.records(t) {
+			got = append(got, fmt.Sprintf("%s/%s#%d", r.AggregateType, r.AggregateID, r.AggregateSequence))
+		}
+		want := "[order/a#1 order/b#1 order/a#2 order/a#3 order/b#2 order/c#1 invoice/a#1]"
+		if fmt.Sprint(got) != want {
+			t.Fatalf("sequences %v, want %v", got, want)
+		}
+	})
+}
+
+func TestPublishStoresExplicitFields(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		at := time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
+		ev := outbox.Event{ID: "evt-1", Type: "order.note", AggregateType: "order", AggregateID: "9", IdempotencyKey: "k-1",
+			Payload: json.RawMessage(`{"raw":true}`), Headers: map[string]string{"trace": "abc"}, OccurredAt: at}
+		mustNil(t, outbox.Publish(b.db, ev, outbox.Event{Type: "bytes", AggregateType: "order", AggregateID: "9", Payload: []byte(`[1,2]`)}))
+		rs := b.records(t)
+		if len(rs) != 2 {
+			t.Fatalf("got %d rows, want 2", len(rs))
+		}
+		r := rs[0]
+		if r.EventID != "evt-1" || r.IdempotencyKey != "k-1" || !r.OccurredAt.Equal(at) {
+			t.Errorf("event_id, idempotency_key, occurred_at = %q, %q, %v", r.EventID, r.IdempotencyKey, r.OccurredAt)
+		}
+		assertJSON(t, r.Payload, `{"raw":true}`)
+		assertJSON(t, r.Headers.String, `{"trace":"abc"}`)
+		assertJSON(t, rs[1].Payload, `[1,2]`)
+	})
+}
+
+func TestPublishRequiresPlugin(t *testing.T) {
+	db, _ := outboxtest.Open(t, outboxtest.SQLite, nil)
+	err := outbox.Publish(db, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1"})
+	if !errors.Is(err, outbox.ErrPluginNotRegistered) {
+		t.Fatalf("err = %v, want ErrPluginNotRegistered", err)
+	}
+}
+
+func TestRegisterEmitterGivesEventsToForeignType(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, outbox.RegisterEmitter(b.plugin, func(f *Foreign, op outbox.Op) ([]outbox.Event, error) {
+			return []outbox.Event{{Type: "foreign." + string(op), AggregateType: "foreign", AggregateID: fmt.Sprint(f.ID), Payload: f}}, nil
+		}))
+		f := Foreign{Name: "x"}
+		mustNil(t, b.db.Create(&f).Error)
+		mustNil(t, b.db.Model(&f).Update("name", "y").Error)
+		rs := b.records(t)
+		if len(rs) != 2 || rs[0].EventType != "foreign.create" || rs[1].EventType != "foreign.update" {
+			t.Fatalf("rows %+v, want foreign.create then foreign.update", rs)
+		}
+		assertJSON(t, rs[1].Payload, `{"ID":1,"Name":"y"}`)
+	})
+}
+
+func TestRegisterEmitterRejectsBadRegistrations(t *testing.T) {
+	p := outbox.Plugin()
+	fn := func(*Foreign, outbox.Op) ([]outbox.Event, error) { return nil, nil }
+	mustNil(t, outbox.RegisterEmitter(p, fn))
+	for name, err := range map[string]error{
+		"Twice":           outbox.RegisterEmitter(p, fn),
+		"Nil":             outbox.RegisterEmitter[Widget](p, nil),
+		"NotStruct":       outbox.RegisterEmitter(p, func(*int, outbox.Op) ([]outbox.Event, error) { return nil, nil }),
+		"AlreadyEmitter":  outbox.RegisterEmitter(p, func(*Order, outbox.Op) ([]outbox.Event, error) { return nil, nil }),
+		"ValueReceiverEm": outbox.RegisterEmitter(p, func(*Note, outbox.Op) ([]outbox.Event, error) { return nil, nil }),
+	} {
+		if !errors.Is(err, outbox.ErrInvalidOption) {
+			t.Errorf("%s: err = %v, want ErrInvalidOption", name, err)
+		}
+	}
+}
+
+func TestWithTableWritesToThatTable(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil, outbox.WithTable("Events_2"))
+		mustNil(t, b.db.Create(&Order{Status: "a"}).Error)
+		if n := outboxtest.Count(t, b.db, "Events_2"); n != 1 {
+			t.Fatalf("Events_2 holds %d rows, want 1", n)
+		}
+		if n := outboxtest.Count(t, b.db, "Events_2_sequences"); n != 1 {
+			t.Fatalf("Events_2_sequences holds %d rows, want 1", n)
+		}
+		if b.db.Migrator().HasTable(outbox.DefaultTable) {
+			t.Fatalf("the default table was created too")
+		}
+	})
+}
+
+func TestWithTableRejectsNonIdentifiers(t *testing.T) {
+	for _, name := range []string{"", "1abc", "a-b", "a b", `a"b`, "a;drop table x", "public.outbox", "é", strings.Repeat("a", 49)} {
+		db, _ := outboxtest.Open(t, outboxtest.SQLite, nil)
+		if err := db.Use(outbox.Plugin(outbox.WithTable(name))); !errors.Is(err, outbox.ErrInvalidOption) {
+			t.Errorf("WithTable(%q): db.Use err = %v, want ErrInvalidOption", name, err)
+		}
+	}
+}
+
+func TestAutoMigrateIsIdempotent(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.Create(&Order{Status: "a"}).Error)
+		mustNil(t, outbox.AutoMigrate(b.db))
+		if n := len(b.records(t)); n != 1 {
+			t.Fatalf("a second AutoMigrate changed the data: %d rows", n)
+		}
+	})
+}
+
+func mustNil(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func mustErr(t *testing.T, err error) {
+	t.Helper()
+	if err == nil {
+		t.Fatal("got no error, want one")
+	}
+}
+
+func assertJSON(t *testing.T, got, want string) {
+	t.Helper()
+	var g, w any
+	if err := json.Unmarshal([]byte(got), &g); err != nil {
+		t.Fatalf("stored JSON %q does not decode: %v", got, err)
+	}
+	mustNil(t, json.Unmarshal([]byte(want), &w))
+	if fmt.Sprint(g) != fmt.Sprint(w) {
+		t.Fatalf("JSON %s, want %s", got, want)
+	}
+}
