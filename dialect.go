@@ -26,6 +26,15 @@ type dialect interface {
 	// insertEvent stores e with the next sequence of its aggregate, unless
 	// a row with its idempotency key exists; it reports whether it inserted.
 	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time) (bool, error)
+	// skipLocked is the row-locking clause of the claim's candidate scan:
+	// FOR UPDATE SKIP LOCKED where the engine has row locks, nothing where a
+	// write statement holds the whole database.
+	skipLocked() string
+	// greatest names the two-argument maximum function.
+	greatest() string
+	// row returns a VALUES row of placeholders typed as given (bigint, text,
+	// integer, timestamptz), for engines that cannot infer them.
+	row(types ...string) string
 }
 
 // dialectOf returns the dialect for db's engine.

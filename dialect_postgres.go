@@ -6,6 +6,7 @@ import (
 	"errors"
 	"hash/fnv"
 	"strconv"
+	"strings"
 	"time"
 
 	"gorm.io/gorm"
@@ -80,4 +81,16 @@ RETURNING aggregate_sequence`,
 		return false, releaseSequence(ctx, d, conn, t, e)
 	}
 	return err == nil, err
+}
+
+func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
+
+func (postgresDialect) greatest() string { return "greatest" }
+
+func (postgresDialect) row(types ...string) string {
+	parts := make([]string, len(types))
+	for i, t := range types {
+		parts[i] = "?::" + t
+	}
+	return "(" + strings.Join(parts, ", ") + ")"
 }

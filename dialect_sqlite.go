@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"gorm.io/gorm"
@@ -75,4 +76,12 @@ ON CONFLICT (idempotency_key) DO NOTHING`,
 		return err == nil, err
 	}
 	return false, releaseSequence(ctx, d, conn, t, e)
+}
+
+func (sqliteDialect) skipLocked() string { return "" }
+
+func (sqliteDialect) greatest() string { return "max" }
+
+func (sqliteDialect) row(types ...string) string {
+	return "(?" + strings.Repeat(", ?", len(types)-1) + ")"
 }

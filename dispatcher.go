@@ -1,0 +1,411 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+)
+
+// Delivery states of an outbox row (the delivery_state column).
+//
+//	pending ──claim──▶ delivering ──accepted──▶ delivered ──cleanup──▶ (deleted)
+//	   ▲                 │    │
+//	   │                 │    └──failed──▶ retry ──due again──▶ delivering ...
+//	   │                 │                  │
+//	   │                 └─lease expired: claimable again (at least once)
+//	   │                                    ▼
+//	   └──────────── RetryFailed ◀────── failed (max attempts or Permanent)
+const (
+	StatePending    = "pending"
+	StateDelivering = "delivering"
+	StateDelivered  = "delivered"
+	StateRetry      = "retry"
+	StateFailed     = "failed"
+)
+
+// Dispatcher defaults, used unless an option says otherwise.
+const (
+	DefaultBatchSize      = 100
+	DefaultLease          = 30 * time.Second
+	DefaultPublishTimeout = 10 * time.Second
+	DefaultPollInterval   = time.Second
+	DefaultMaxAttempts    = 10
+	DefaultRetention      = 7 * 24 * time.Hour
+	DefaultSweepLimit     = 1000
+	maxBatchSize          = 10000
+	maxErrorLen           = 2000
+)
+
+// Dispatcher moves outbox rows to a [Publisher]: it claims due rows,
+// publishes them in batches outside any transaction, and settles each one
+// as delivered, to be retried, or failed.
+//
+// Any number of dispatchers, in any number of processes, may work on one
+// table: a claimed row is leased to its dispatcher (delivering, with
+// locked_until) and no other dispatcher claims it while the lease lives.
+// A dispatcher that dies mid-batch loses nothing: its rows become
+// claimable again when the lease passes, so every committed event is
+// delivered at least once. Consumers deduplicate on Message.EventID.
+//
+// Per aggregate, a message is claimed only once every earlier sequence of
+// its aggregate has been delivered (or is in the same batch, before it), so
+// a publisher never receives sequence n+1 before sequence n was accepted.
+// A dead-lettered (failed) message therefore holds back the later messages
+// of its own aggregate, and of no other, until [Dispatcher.RetryFailed]
+// brings it back and it is delivered, or an operator deletes its row.
+//
+// The table name is taken from the outbox plugin registered on the
+// *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for
+// concurrent use.
+type Dispatcher struct {
+	db  *gorm.DB
+	pub Publisher
+	d   dialect
+	t   tables
+
+	batchSize      int
+	lease          time.Duration
+	publishTimeout time.Duration
+	pollInterval   time.Duration
+	retry          RetryPolicy
+	maxAttempts    int
+	retention      time.Duration
+	sweepLimit     int
+	log            *slog.Logger
+
+	wake chan struct{}
+}
+
+// DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
+type DispatcherOption func(*Dispatcher) error
+
+// WithBatchSize sets how many rows one claim takes at most (default
+// [DefaultBatchSize], 1 to 10,000).
+func WithBatchSize(n int) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if n < 1 || n > maxBatchSize {
+			return fmt.Errorf("%w: WithBatchSize: %d is not between 1 and %d", ErrInvalidOption, n, maxBatchSize)
+		}
+		d.batchSize = n
+		return nil
+	}
+}
+
+// WithLease sets how long a claimed row stays leased to its dispatcher
+// (default [DefaultLease]). It must exceed the publish timeout: a batch
+// still publishing when its lease ends may be claimed, and delivered,
+// again.
+func WithLease(lease time.Duration) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if lease < 10*time.Millisecond {
+			return fmt.Errorf("%w: WithLease: %v is shorter than 10ms", ErrInvalidOption, lease)
+		}
+		d.lease = lease
+		return nil
+	}
+}
+
+// WithPublishTimeout sets the deadline of one Publish call (default
+// [DefaultPublishTimeout]); it must be shorter than the lease. A publisher
+// that ignores its context is abandoned at the deadline and its batch is
+// retried.
+func WithPublishTimeout(timeout time.Duration) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if timeout <= 0 {
+			return fmt.Errorf("%w: WithPublishTimeout: %v is not positive", ErrInvalidOption, timeout)
+		}
+		d.publishTimeout = timeout
+		return nil
+	}
+}
+
+// WithPollInterval sets how often [Dispatcher.Run] looks for due rows when
+// it has not been woken (default [DefaultPollInterval]). It is also how long
+// a row held back for per-aggregate order waits before it is looked at
+// again, when its predecessor is in flight.
+func WithPollInterval(interval time.Duration) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if interval <= 0 {
+			return fmt.Errorf("%w: WithPollInterval: %v is not positive", ErrInvalidOption, interval)
+		}
+		d.pollInterval = interval
+		return nil
+	}
+}
+
+// WithRetryPolicy sets when failed messages are tried again (default
+// [DefaultRetryPolicy]).
+func WithRetryPolicy(p RetryPolicy) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if p == nil {
+			return fmt.Errorf("%w: WithRetryPolicy: nil policy", ErrInvalidOption)
+		}
+		d.retry = p
+		return nil
+	}
+}
+
+// WithMaxAttempts sets after how many failed attempts a message is
+// dead-lettered (default [DefaultMaxAttempts], at least 1).
+func WithMaxAttempts(n int) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if n < 1 {
+			return fmt.Errorf("%w: WithMaxAttempts: %d is less than 1", ErrInvalidOption, n)
+		}
+		d.maxAttempts = n
+		return nil
+	}
+}
+
+// WithRetention sets how long delivered rows are kept before
+// [Dispatcher.Cleanup] deletes them (default [DefaultRetention]). An
+// idempotency key protects against duplicates only while its row exists.
+func WithRetention(retention time.Duration) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if retention <= 0 {
+			return fmt.Errorf("%w: WithRetention: %v is not positive", ErrInvalidOption, retention)
+		}
+		d.retention = retention
+		return nil
+	}
+}
+
+// WithSweepLimit bounds how many rows one call of [Dispatcher.RetryFailed]
+// moves, and how many one cleanup statement deletes (default
+// [DefaultSweepLimit]).
+func WithSweepLimit(n int) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if n < 1 {
+			return fmt.Errorf("%w: WithSweepLimit: %d is less than 1", ErrInvalidOption, n)
+		}
+		d.sweepLimit = n
+		return nil
+	}
+}
+
+// WithLogger sets the logger (default slog.Default() at construction).
+func WithLogger(l *slog.Logger) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if l == nil {
+			return fmt.Errorf("%w: WithLogger: nil logger", ErrInvalidOption)
+		}
+		d.log = l
+		return nil
+	}
+}
+
+// NewDispatcher returns a dispatcher that delivers the outbox rows of db to
+// p. It validates every option; an invalid one yields an error wrapping
+// [ErrInvalidOption] that names it.
+func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatcher, error) {
+	if db == nil {
+		return nil, fmt.Errorf("%w: NewDispatcher: nil *gorm.DB", ErrInvalidOption)
+	}
+	if p == nil {
+		return nil, fmt.Errorf("%w: NewDispatcher: nil Publisher", ErrInvalidOption)
+	}
+	dl, err := dialectOf(db)
+	if err != nil {
+		return nil, err
+	}
+	d := &Dispatcher{
+		db:             db,
+		pub:            p,
+		d:              dl,
+		t:              tablesFor(DefaultTable),
+		batchSize:      DefaultBatchSize,
+		lease:          DefaultLease,
+		publishTimeout: DefaultPublishTimeout,
+		pollInterval:   DefaultPollInterval,
+		retry:          DefaultRetryPolicy(),
+		maxAttempts:    DefaultMaxAttempts,
+		retention:      DefaultRetention,
+		sweepLimit:     DefaultSweepLimit,
+		log:            slog.Default(),
+		wake:           make(chan struct{}, 1),
+	}
+	if plugin, err := pluginOf(db); err == nil {
+		d.t = plugin.tables
+	}
+	for _, opt := range opts {
+		if err := opt(d); err != nil {
+			return nil, err
+		}
+	}
+	if d.publishTimeout >= d.lease {
+		return nil, fmt.Errorf("%w: WithPublishTimeout: %v must be shorter than the lease (%v)", ErrInvalidOption, d.publishTimeout, d.lease)
+	}
+	return d, nil
+}
+
+// claimed is one claimed row: its message and what settling it needs.
+type claimed struct {
+	id       int64
+	attempts int // attempts made before this one
+	msg      Message
+}
+
+// DispatchOnce runs one round: it claims up to the batch size of due rows,
+// publishes them as one batch, and settles each row. It returns how many
+// messages were delivered. Rows held back for per-aggregate order are
+// rescheduled, not counted. A settle that finds its lease taken over by
+// another dispatcher leaves that row alone.
+//
+// Cancelling ctx abandons the publish (the batch is then retried); the
+// settle always runs to completion.
+func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
+	_, delivered, err := d.dispatch(ctx)
+	return delivered, err
+}
+
+func (d *Dispatcher) dispatch(ctx context.Context) (claimedN, delivered int, err error) {
+	batchID, rows, err := d.claim(ctx)
+	if err != nil || len(rows) == 0 {
+		return 0, 0, err
+	}
+	batch := Batch{ID: batchID, Messages: make([]Message, len(rows))}
+	for i, r := range rows {
+		batch.Messages[i] = r.msg
+	}
+	pubErr := d.publish(ctx, batch)
+	delivered, err = d.settle(context.WithoutCancel(ctx), batch.ID, rows, pubErr)
+	return len(rows), delivered, err
+}
+
+// claim takes due rows, retrying a few times when everything it looked at
+// was held back for order, so that a crowd of held-back rows cannot stall
+// other aggregates.
+func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
+	for range 8 {
+		batchID, rows, held, err := d.claimOnce(ctx)
+		if err != nil || len(rows) > 0 || held == 0 {
+			return batchID, rows, err
+		}
+	}
+	return "", nil, nil
+}
+
+// claimOnce runs the claim statement: one statement, so one short
+// transaction. It scans due rows through the due index in its order
+// (next_attempt_at, id), skipping rows another claim holds locked; keeps
+// those whose undelivered predecessors are all in the same scan; marks them
+// delivering under a fresh batch id and lease; and pushes the others back:
+// until their blocking predecessor's retry time, by the lease when that
+// predecessor is dead-lettered, or by the poll interval when it is in
+// flight or simply later in the scan.
+func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []claimed, held int, err error) {
+	now := time.Now()
+	batchID = uuid.Must(uuid.NewV7()).String()
+	short := d.d.timeArg(now.Add(d.pollInterval))
+	lease := d.d.timeArg(now.Add(d.lease))
+	t := d.t
+	q := d.d.bind(`WITH cand AS (
+	SELECT id AS cid, aggregate_type AS ctype, aggregate_id AS caid, aggregate_sequence AS cseq
+	FROM ` + t.records + `
+	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
+	ORDER BY next_attempt_at, id
+	LIMIT ?` + d.d.skipLocked() + `
+), held AS (
+	SELECT cid, (
+		SELECT CASE p.delivery_state WHEN 'retry' THEN p.next_attempt_at WHEN 'failed' THEN ? ELSE ? END
+		FROM ` + t.records + ` p
+		WHERE p.aggregate_type = ctype AND p.aggregate_id = caid AND p.aggregate_sequence < cseq
+			AND p.delivery_state <> 'delivered' AND p.id NOT IN (SELECT cid FROM cand)
+		ORDER BY p.aggregate_sequence
+		LIMIT 1
+	) AS wait_until
+	FROM cand
+)
+UPDATE ` + t.records + ` SET
+	delivery_state = CASE WHEN wait_until IS NULL THEN 'delivering' ELSE delivery_state END,
+	batch_id = CASE WHEN wait_until IS NULL THEN ? ELSE batch_id END,
+	locked_until = CASE WHEN wait_until IS NULL THEN ? ELSE locked_until END,
+	next_attempt_at = CASE WHEN wait_until IS NULL THEN ? ELSE ` + d.d.greatest() + `(wait_until, ?) END,
+	updated_at = ?
+FROM held
+WHERE id = cid
+RETURNING id, batch_id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+	idempotency_key, payload, headers, occurred_at, delivery_attempts`)
+	res, err := d.db.Statement.ConnPool.QueryContext(ctx, q,
+		d.d.timeArg(now), d.batchSize,
+		lease, short,
+		batchID, lease, lease, short,
+		d.d.timeArg(now))
+	if err != nil {
+		return "", nil, 0, fmt.Errorf("outbox: claim: %w", err)
+	}
+	defer res.Close()
+	for res.Next() {
+		var (
+			r       claimed
+			batch   nullString
+			payload []byte
+			headers nullString
+			at      scanTime
+		)
+		if err := res.Scan(&r.id, &batch, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
+			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts); err != nil {
+			return "", nil, 0, fmt.Errorf("outbox: claim: scan: %w", err)
+		}
+		if batch.String != batchID {
+			held++
+			continue
+		}
+		r.msg.Payload = payload
+		r.msg.OccurredAt = at.Time
+		r.msg.Attempt = r.attempts + 1
+		if headers.Valid {
+			if err := jsonUnmarshal(headers.String, &r.msg.Headers); err != nil {
+				return "", nil, 0, fmt.Errorf("outbox: claim: event %s: headers: %w", r.msg.EventID, err)
+			}
+		}
+		rows = append(rows, r)
+	}
+	if err := res.Err(); err != nil {
+		return "", nil, 0, fmt.Errorf("outbox: claim: %w", err)
+	}
+	// Oldest first; within an aggregate, ids follow sequences.
+	sort.Slice(rows, func(i, j int) bool { return rows[i].id < rows[j].id })
+	return batchID, rows, held, nil
+}
+
+// ErrPublisherPanic is wrapped by the error a batch is retried with when
+// its publisher panicked; the panic is recovered and logged.
+var ErrPublisherPanic = errors.New("outbox: publisher panicked")
+
+// publish calls the publisher under the publish deadline. A panic becomes
+// an error; a publisher that ignores its context is abandoned at the
+// deadline.
+func (d *Dispatcher) publish(ctx context.Context, b Batch) error {
+	pctx, cancel := context.WithTimeout(ctx, d.publishTimeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		defer func() {
+			if r := recover(); r != nil {
+				d.log.Error("outbox: publisher panicked; the batch will be retried", "batch_id", b.ID, "panic", r)
+				done <- fmt.Errorf("%w: %v", ErrPublisherPanic, r)
+			}
+		}()
+		done <- d.pub.Publish(pctx, b)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-pctx.Done():
+		// Give a well-behaved publisher a moment to return its own error.
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(100 * time.Millisecond):
+			d.log.Error("outbox: publisher ignored its deadline; abandoning it, the batch will be retried", "batch_id", b.ID)
+			return fmt.Errorf("outbox: publish: %w", pctx.Err())
+		}
+	}
+}

@@ -1,0 +1,215 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
+)
+
+// recorder is a publisher that remembers what it accepted and answers with
+// whatever its next func returns.
+type recorder struct {
+	mu       sync.Mutex
+	accepted []outbox.Message
+	batches  []outbox.Batch
+	next     func(b outbox.Batch) error
+}
+
+func (r *recorder) Publish(_ context.Context, b outbox.Batch) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.batches = append(r.batches, b)
+	var err error
+	if r.next != nil {
+		err = r.next(b)
+	}
+	var partial *outbox.PartialError
+	for _, m := range b.Messages {
+		if err == nil || (errors.As(err, &partial) && partial.Failed[m.EventID] == nil) {
+			r.accepted = append(r.accepted, m)
+		}
+	}
+	return err
+}
+
+func (r *recorder) acceptedIDs() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var ids []string
+	for _, m := range r.accepted {
+		ids = append(ids, fmt.Sprintf("%s/%s#%d", m.AggregateType, m.AggregateID, m.Sequence))
+	}
+	return ids
+}
+
+func newDispatcher(t *testing.T, db *gorm.DB, p outbox.Publisher, opts ...outbox.DispatcherOption) *outbox.Dispatcher {
+	t.Helper()
+	opts = append([]outbox.DispatcherOption{outbox.WithLogger(outboxtest.Logger(t))}, opts...)
+	d, err := outbox.NewDispatcher(db, p, opts...)
+	if err != nil {
+		t.Fatalf("NewDispatcher: %v", err)
+	}
+	return d
+}
+
+func publishN(t *testing.T, db *gorm.DB, aggregate string, n int) {
+	t.Helper()
+	for range n {
+		mustNil(t, outbox.Publish(db, outbox.Event{Type: "t", AggregateType: "agg", AggregateID: aggregate, Payload: map[string]string{"a": aggregate}}))
+	}
+}
+
+func dispatch(t *testing.T, d *outbox.Dispatcher) int {
+	t.Helper()
+	n, err := d.DispatchOnce(context.Background())
+	mustNil(t, err)
+	return n
+}
+
+func states(t *testing.T, b bundle) []string {
+	t.Helper()
+	var s []string
+	for _, r := range b.records(t) {
+		s = append(s, r.DeliveryState)
+	}
+	return s
+}
+
+func TestDispatchDeliversAndSettles(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		o := Order{Status: "new", Total: 3}
+		mustNil(t, b.db.Create(&o).Error)
+		mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "order.noted", AggregateType: "order", AggregateID: fmt.Sprint(o.ID), Headers: map[string]string{"h": "v"}}))
+		rec := &recorder{}
+		d := newDispatcher(t, b.db, rec)
+		if n := dispatch(t, d); n != 2 {
+			t.Fatalf("delivered %d, want 2", n)
+		}
+		if len(rec.batches) != 1 || len(rec.batches[0].Messages) != 2 || rec.batches[0].ID == "" {
+			t.Fatalf("batches %+v, want one batch of 2 with an id", rec.batches)
+		}
+		m := rec.batches[0].Messages
+		if m[0].EventType != "order.create" || m[0].Sequence != 1 || m[1].Sequence != 2 || m[0].Attempt != 1 || m[1].Headers["h"] != "v" {
+			t.Fatalf("messages %+v", m)
+		}
+		assertJSON(t, string(m[0].Payload), `{"ID":1,"Status":"new","Total":3}`)
+		for _, r := range b.records(t) {
+			if r.DeliveryState != "delivered" || !r.DeliveredAt.Valid || r.BatchID.String != rec.batches[0].ID || r.DeliveryAttempts != 1 || r.LockedUntil.Valid {
+				t.Fatalf("row after delivery: %+v", r)
+			}
+		}
+		if n := dispatch(t, d); n != 0 || len(rec.batches) != 1 {
+			t.Fatalf("a delivered row was dispatched again")
+		}
+	})
+}
+
+func TestFailedPublishSchedulesRetryWithBackoff(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 1)
+		rec := &recorder{next: func(outbox.Batch) error { return errors.New("broker down") }}
+		d := newDispatcher(t, b.db, rec)
+		before := time.Now()
+		if n := dispatch(t, d); n != 0 {
+			t.Fatalf("delivered %d, want 0", n)
+		}
+		r := b.records(t)[0]
+		if r.DeliveryState != "retry" || r.DeliveryAttempts != 1 || r.LastError.String != "broker down" {
+			t.Fatalf("row %+v, want retry after 1 attempt with the error", r)
+		}
+		wait := r.NextAttemptAt.Sub(before)
+		if wait < 47*time.Second || wait > 73*time.Second {
+			t.Fatalf("next attempt in %v, want one minute ±20%%", wait)
+		}
+		if n := dispatch(t, d); n != 0 || len(rec.batches) != 1 {
+			t.Fatalf("a row was retried before its time")
+		}
+	})
+}
+
+func TestPermanentErrorDeadLetters(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 2)
+		d := newDispatcher(t, b.db, &recorder{next: func(outbox.Batch) error { return outbox.Permanent(errors.New("schema rejected")) }})
+		dispatch(t, d)
+		if s := fmt.Sprint(states(t, b)); s != "[failed failed]" {
+			t.Fatalf("states %s, want both failed", s)
+		}
+	})
+}
+
+func TestMaxAttemptsDeadLetters(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 1)
+		now := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
+		rec := &recorder{next: func(outbox.Batch) error { return errors.New("nope") }}
+		d := newDispatcher(t, b.db, rec, outbox.WithMaxAttempts(3), outbox.WithRetryPolicy(now))
+		for range 5 {
+			dispatch(t, d)
+		}
+		r := b.records(t)[0]
+		if len(rec.batches) != 3 || r.DeliveryState != "failed" || r.DeliveryAttempts != 3 {
+			t.Fatalf("%d attempts, row %s after %d; want 3 attempts then failed", len(rec.batches), r.DeliveryState, r.DeliveryAttempts)
+		}
+		if got := []int{rec.batches[0].Messages[0].Attempt, rec.batches[2].Messages[0].Attempt}; got[0] != 1 || got[1] != 3 {
+			t.Fatalf("Attempt numbers %v, want 1 then 3", got)
+		}
+	})
+}
+
+func TestPartialBatchSettlesEachMessage(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 1)
+		publishN(t, b.db, "b", 1)
+		publishN(t, b.db, "c", 2)
+		rec := &recorder{next: func(b outbox.Batch) error {
+			return &outbox.PartialError{Failed: map[string]error{
+				b.Messages[1].EventID: errors.New("b failed"),
+				b.Messages[2].EventID: outbox.Permanent(errors.New("c poison")),
+				b.Messages[3].EventID: outbox.ErrNotAttempted,
+			}}
+		}}
+		d := newDispatcher(t, b.db, rec)
+		if n := dispatch(t, d); n != 1 {
+			t.Fatalf("delivered %d, want 1", n)
+		}
+		rs := b.records(t)
+		got := fmt.Sprintf("%s/%d %s/%d %s/%d %s/%d", rs[0].DeliveryState, rs[0].DeliveryAttempts, rs[1].DeliveryState, rs[1].DeliveryAttempts,
+			rs[2].DeliveryState, rs[2].DeliveryAttempts, rs[3].DeliveryState, rs[3].DeliveryAttempts)
+		if want := "delivered/1 retry/1 failed/1 pending/0"; got != want {
+			t.Fatalf("states/attempts %s, want %s", got, want)
+		}
+	})
+}
+
+func TestExpiredLeaseIsReclaimed(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 1)
+		publishN(t, b.db, "b", 1)
+		// A dispatcher died holding both rows: one lease has passed, one lives.
+		past, future := time.Now().Add(-time.Second).UTC(), time.Now().Add(time.Hour).UTC()
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', batch_id = 'dead', locked_until = ?, next_attempt_at = ? WHERE aggregate_id = 'a'`, past, past).Error)
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', batch_id = 'alive', locked_until = ?, next_attempt_at = ? WHERE aggregate_id = 'b'`, future, future).Error)
+		rec := &recorder{}
+		if n := dispatch(t, newDispatcher(t, b.db, rec)); n != 1 {
+			t.Fatalf("delivered %d, want 1", n)
+		}
+		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/a#1]" {
+			t.Fatalf("accepted %s, want only the expired lease's row", got)
+		}
+	})
+}

@@ -1,0 +1,42 @@
+package outbox
+
+import (
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+type nullString = sql.NullString
+
+// scanTime scans a timestamp whichever way the driver returns it: a
+// time.Time, or the text SQLite stores.
+type scanTime struct{ Time time.Time }
+
+func (s *scanTime) Scan(v any) error {
+	switch v := v.(type) {
+	case time.Time:
+		s.Time = v
+		return nil
+	case string:
+		return s.parse(v)
+	case []byte:
+		return s.parse(string(v))
+	case nil:
+		s.Time = time.Time{}
+		return nil
+	}
+	return fmt.Errorf("outbox: cannot scan %T into a timestamp", v)
+}
+
+func (s *scanTime) parse(v string) error {
+	for _, layout := range []string{sqliteTime, time.RFC3339Nano, "2006-01-02 15:04:05.999999999-07:00", "2006-01-02 15:04:05"} {
+		if t, err := time.Parse(layout, v); err == nil {
+			s.Time = t
+			return nil
+		}
+	}
+	return fmt.Errorf("outbox: unrecognised timestamp %q", v)
+}
+
+func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }

@@ -1,0 +1,95 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// RetryFilter narrows [Dispatcher.RetryFailedWhere]. The zero value
+// matches every failed row.
+type RetryFilter struct {
+	// EventTypes, when not empty, limits the sweep to these event types.
+	EventTypes []string
+	// FailedBefore, when not zero, limits the sweep to rows dead-lettered
+	// before it.
+	FailedBefore time.Time
+	// Limit bounds how many rows one call moves (default: the dispatcher's
+	// sweep limit, see [WithSweepLimit]).
+	Limit int
+}
+
+// RetryFailed is the retry_failed sweep: it moves up to the sweep limit of
+// dead-lettered (failed) rows, oldest failure first, back to pending with
+// their attempt count reset, and returns how many it moved. Their
+// last_error is kept until they are delivered.
+func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
+	return d.RetryFailedWhere(ctx, RetryFilter{})
+}
+
+// RetryFailedWhere is [Dispatcher.RetryFailed] restricted by f.
+func (d *Dispatcher) RetryFailedWhere(ctx context.Context, f RetryFilter) (int, error) {
+	limit := f.Limit
+	if limit <= 0 {
+		limit = d.sweepLimit
+	}
+	now := time.Now()
+	where := []string{"delivery_state = 'failed'"}
+	var args []any
+	if len(f.EventTypes) > 0 {
+		where = append(where, "event_type IN (?"+strings.Repeat(", ?", len(f.EventTypes)-1)+")")
+		for _, t := range f.EventTypes {
+			args = append(args, t)
+		}
+	}
+	if !f.FailedBefore.IsZero() {
+		where = append(where, "updated_at < ?")
+		args = append(args, d.d.timeArg(f.FailedBefore))
+	}
+	ts := d.d.timeArg(now)
+	args = append([]any{ts, ts}, append(args, limit)...)
+	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
+	delivery_state = 'pending', delivery_attempts = 0, next_attempt_at = ?, updated_at = ?,
+	locked_until = NULL, batch_id = NULL
+WHERE id IN (
+	SELECT id FROM `+d.t.records+` WHERE `+strings.Join(where, " AND ")+`
+	ORDER BY updated_at, id LIMIT ?`+d.d.skipLocked()+`
+)`), args...)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: retry failed: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if n > 0 {
+		d.log.Info("outbox: dead-lettered messages back to pending", "count", n)
+	}
+	return int(n), err
+}
+
+// Cleanup deletes delivered rows whose delivered_at is older than the
+// retention (see [WithRetention]), in statements of at most the sweep limit
+// each, until none is left or ctx ends. It never touches a row that is not
+// delivered, nor the per-aggregate sequence table, so sequences continue
+// after cleanup. A deleted row's idempotency key is free again. It returns
+// how many rows it deleted.
+func (d *Dispatcher) Cleanup(ctx context.Context) (int, error) {
+	cutoff := d.d.timeArg(time.Now().Add(-d.retention))
+	total := 0
+	for {
+		res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`DELETE FROM `+d.t.records+` WHERE id IN (
+	SELECT id FROM `+d.t.records+` WHERE delivery_state = 'delivered' AND delivered_at < ?
+	ORDER BY delivered_at LIMIT ?`+d.d.skipLocked()+`
+)`), cutoff, d.sweepLimit)
+		if err != nil {
+			return total, fmt.Errorf("outbox: cleanup: %w", err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return total, fmt.Errorf("outbox: cleanup: %w", err)
+		}
+		total += int(n)
+		if int(n) < d.sweepLimit || ctx.Err() != nil {
+			return total, nil
+		}
+	}
+}
