@@ -37,15 +37,17 @@ func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
 			return &outbox.PartialError{Failed: failed}
 		}}
 		zero := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
-		d := newDispatcher(t, b.db, rec, outbox.WithRetryPolicy(zero))
+		d := newDispatcher(t, b.db, rec, outbox.WithRetryPolicy(zero), outbox.WithPollInterval(time.Millisecond))
 		dispatch(t, d)
 		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/b#1 agg/b#2]" {
 			t.Fatalf("accepted %s, want b's events only", got)
 		}
 		// a#1 is due again at once (zero backoff); a#2 and a#3 were not
-		// attempted, and still come only after a#1.
+		// attempted, are due after the poll interval, and still come only
+		// after a#1.
 		failA1 = false
 		for range 3 {
+			time.Sleep(5 * time.Millisecond)
 			dispatch(t, d)
 		}
 		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/b#1 agg/b#2 agg/a#1 agg/a#2 agg/a#3]" {

@@ -12,15 +12,8 @@ import (
 	"gorm.io/gorm"
 )
 
-// Delivery states of an outbox row (the delivery_state column).
-//
-//	pending ──claim──▶ delivering ──accepted──▶ delivered ──cleanup──▶ (deleted)
-//	   ▲                 │    │
-//	   │                 │    └──failed──▶ retry ──due again──▶ delivering ...
-//	   │                 │                  │
-//	   │                 └─lease expired: claimable again (at least once)
-//	   │                                    ▼
-//	   └──────────── RetryFailed ◀────── failed (max attempts or Permanent)
+// Delivery states of an outbox row (the delivery_state column); the
+// package documentation draws how a row moves between them.
 const (
 	StatePending    = "pending"
 	StateDelivering = "delivering"

@@ -26,9 +26,10 @@ var (
 	// outbox plugin: call db.Use(outbox.Plugin(...)) first.
 	ErrPluginNotRegistered = errors.New("outbox: plugin not registered on this *gorm.DB")
 
-	// ErrInvalidOption is returned (wrapped) by constructors and by
-	// db.Use(outbox.Plugin(...)) when an option's value is out of range; the
-	// message names the option.
+	// ErrInvalidOption is returned (wrapped) when configuration is invalid:
+	// by constructors and db.Use(outbox.Plugin(...)) for an option out of
+	// range, and by registrations ([RegisterEmitter], [Handlers.Handle]) that
+	// cannot be accepted. The message names the option or registration.
 	ErrInvalidOption = errors.New("outbox: invalid option")
 
 	// ErrPermanent marks a publish failure that retrying cannot help; see
@@ -38,7 +39,8 @@ var (
 	// ErrNotAttempted is what a publisher reports, inside a [*PartialError],
 	// for a message it did not try, for example because an earlier message
 	// of the same aggregate failed in the same batch. The message is put
-	// back without counting an attempt.
+	// back without counting an attempt and is due again after the
+	// dispatcher's poll interval.
 	ErrNotAttempted = errors.New("outbox: message not attempted")
 )
 

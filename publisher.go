@@ -10,8 +10,8 @@ import (
 //
 // Messages are delivered at least once: a consumer deduplicates on EventID
 // (or IdempotencyKey). Within one aggregate, Sequence is 1, 2, 3, ... in
-// commit order with no gaps, and the dispatcher never hands out sequence n+1
-// before sequence n has been accepted.
+// commit order with no gaps, and the dispatcher hands out sequence n+1 only
+// after sequence n has been accepted, or in the same batch, after n.
 type Message struct {
 	// EventID is the event's unique identifier (outbox_records.event_id).
 	EventID string `json:"event_id"`
@@ -47,11 +47,17 @@ type Batch struct {
 
 // Publisher delivers batches of messages to the outside world.
 //
-// Publish returns nil when every message was accepted, and an error when
-// none was: all of the batch is then retried with backoff. An error for which
-// [IsPermanent] is true (see [Permanent]) dead-letters the whole batch at
-// once. To report a partly accepted batch, return a [*PartialError] that
-// names the messages that were not accepted.
+// Publish returns nil when every message was accepted. To report a partly
+// accepted batch, it returns a [*PartialError] (possibly wrapped) that names
+// the messages that were not accepted. Any other error means that no
+// message was accepted: all of the batch is retried with backoff, or, when
+// [IsPermanent] is true of the error (see [Permanent]), dead-lettered at
+// once.
+//
+// Messages of one aggregate appear in the batch in Sequence order. A
+// publisher that accepts messages one by one must not accept a message
+// after a failed one of the same aggregate; it reports [ErrNotAttempted]
+// for those instead.
 //
 // Publish is called outside any database transaction, with a context whose
 // deadline is shorter than the dispatcher's lease. It must honour that

@@ -28,7 +28,9 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 		case err == nil:
 			delivered++
 		case errors.Is(err, ErrNotAttempted):
-			state, attempts = StateRetry, r.attempts
+			// Back without counting an attempt, after a poll interval so that
+			// a publisher that keeps declining cannot spin the dispatcher.
+			state, attempts, next = StateRetry, r.attempts, now.Add(d.pollInterval)
 			if r.attempts == 0 {
 				state = StatePending
 			}

@@ -1,0 +1,61 @@
+// Package outbox implements the transactional outbox pattern for GORM.
+//
+// A service that writes business data and must tell other systems about it
+// cannot simply write the row and then send a message: a crash in between
+// loses the message, and sending first announces data that may still roll
+// back. The outbox makes the event data: it is written in the same database
+// transaction as the business row, and a dispatcher delivers it later.
+//
+// # Writing events
+//
+// Register the plugin and create its tables once:
+//
+//	db.Use(outbox.Plugin())
+//	outbox.AutoMigrate(db)
+//
+// A model opts in by implementing [Emitter]: after every create, update and
+// delete of the model, the plugin calls OutboxEvents and writes the events
+// through the statement's own transaction, so they commit if and only if
+// the business write commits. Types you cannot change get their events
+// through [RegisterEmitter]; events not tied to a model write are recorded
+// with [Publish] inside the caller's transaction. An event that cannot be
+// encoded fails the write, and nothing is written.
+//
+// Each event becomes a row of the outbox_records table with a unique
+// event_id, a unique idempotency_key (writing a key that exists is a no-op)
+// and an aggregate_sequence that counts 1, 2, 3, ... per
+// (aggregate_type, aggregate_id) in commit order, without gaps.
+//
+// # Delivering events
+//
+// A [Dispatcher] claims due rows, hands them in a [Batch] to a [Publisher]
+// outside any transaction, and settles each one:
+//
+//	pending ──claim──▶ delivering ──accepted──▶ delivered ──Cleanup──▶ deleted
+//	                     │    ▲
+//	      publish failed │    │ due again (exponential backoff)
+//	                     ▼    │
+//	                     retry ─── max attempts or Permanent ──▶ failed
+//	                                                               │
+//	pending ◀──────────────────────── RetryFailed ◀────────────────┘
+//
+// A claimed row is leased: if its dispatcher dies, the row is claimed again
+// once the lease passes, so every committed event is delivered at least
+// once and consumers deduplicate on Message.EventID. Rows of a transaction
+// that has not committed are invisible to the claim, so nothing is
+// delivered early, and nothing of a rolled-back transaction ever is. Per
+// aggregate, sequence n+1 is never handed to a publisher before sequence n
+// was accepted; a dead-lettered event holds back the rest of its own
+// aggregate, and of no other, until it is retried.
+//
+// [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
+// dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3
+// schedule. Publishers shipped with the library: [Handlers] for in-process
+// handlers by event type, and the outboxhttp package for an HTTP gateway.
+//
+// # Engines
+//
+// SQLite is the embedded default for development and tests; PostgreSQL is
+// the production engine, where any number of dispatchers in any number of
+// processes share one table through FOR UPDATE SKIP LOCKED.
+package outbox
