@@ -25,7 +25,12 @@ type dialect interface {
 	timeArg(t time.Time) any
 	// insertEvent stores e with the next sequence of its aggregate, unless
 	// a row with its idempotency key exists; it reports whether it inserted.
-	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time) (bool, error)
+	// With notify, the engine is also asked to tell listeners at commit.
+	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error)
+	// listen calls wake for every notification of t's channel until ctx
+	// ends or the connection fails; it returns errNoListen where the
+	// engine or driver has no notifications.
+	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
 	// skipLocked is the row-locking clause of the claim's candidate scan:
 	// FOR UPDATE SKIP LOCKED where the engine has row locks, nothing where a
 	// write statement holds the whole database.

@@ -3,12 +3,14 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"hash/fnv"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"gorm.io/gorm"
 )
 
@@ -58,29 +60,72 @@ func (postgresDialect) schema(t tables) []string {
 	}, commonIndexes(t)...)
 }
 
-func (d postgresDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time) (bool, error) {
-	// One round trip: the sequence upsert and the record insert share a
-	// statement. The upsert's row lock serialises writers of one aggregate
-	// until commit, which is what makes sequences gapless and in commit
-	// order.
-	var seq int64
+func (d postgresDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error) {
+	// One round trip: the sequence upsert, the record insert and the
+	// notification share a statement. The upsert's row lock serialises
+	// writers of one aggregate until commit, which is what makes sequences
+	// gapless and in commit order. The notification, like the rows, is
+	// delivered only if the transaction commits.
+	notifyExpr := "''"
+	args := []any{e.aggregateType, e.aggregateID, e.id, e.typ, e.key, e.payload, e.headers, now.UTC(), e.occurredAt.UTC()}
+	if notify {
+		notifyExpr = "pg_notify($10, '')::text"
+		args = append(args, t.name)
+	}
+	var (
+		seq  int64
+		void string
+	)
 	err := conn.QueryRowContext(ctx, `WITH seq AS (
 	INSERT INTO `+t.sequences+` AS s (aggregate_type, aggregate_id, last_sequence) VALUES ($1, $2, 1)
 	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_sequence = s.last_sequence + 1
 	RETURNING last_sequence
+), ins AS (
+	INSERT INTO `+t.records+` (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+		idempotency_key, payload, headers, delivery_state, delivery_attempts, next_attempt_at,
+		occurred_at, created_at, updated_at)
+	SELECT $3, $4, $1, $2, seq.last_sequence, $5, $6::jsonb, $7::jsonb, 'pending', 0, $8, $9, $8, $8 FROM seq
+	ON CONFLICT (idempotency_key) DO NOTHING
+	RETURNING aggregate_sequence
 )
-INSERT INTO `+t.records+` (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, delivery_state, delivery_attempts, next_attempt_at,
-	occurred_at, created_at, updated_at)
-SELECT $3, $4, $1, $2, seq.last_sequence, $5, $6::jsonb, $7::jsonb, 'pending', 0, $8, $9, $8, $8 FROM seq
-ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING aggregate_sequence`,
-		e.aggregateType, e.aggregateID, e.id, e.typ, e.key, e.payload, e.headers, now.UTC(), e.occurredAt.UTC(),
-	).Scan(&seq)
+SELECT aggregate_sequence, `+notifyExpr+` FROM ins`, args...).Scan(&seq, &void)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, releaseSequence(ctx, d, conn, t, e)
 	}
 	return err == nil, err
+}
+
+// listen holds one connection of db's pool for LISTEN, outside the pool's
+// accounting, and discards it when done: a connection that listened is
+// never handed back to the pool.
+func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return errNoListen
+	}
+	conn, err := sqlDB.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return conn.Raw(func(driverConn any) error {
+		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
+		if !ok {
+			return errNoListen
+		}
+		pc := c.Conn()
+		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.name)); err != nil {
+			return errors.Join(err, driver.ErrBadConn)
+		}
+		// Rows may have committed while nobody listened.
+		wake()
+		for {
+			if _, err := pc.WaitForNotification(ctx); err != nil {
+				return errors.Join(err, driver.ErrBadConn)
+			}
+			wake()
+		}
+	})
 }
 
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }

@@ -53,7 +53,7 @@ func (sqliteDialect) schema(t tables) []string {
 	}, commonIndexes(t)...)
 }
 
-func (d sqliteDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time) (bool, error) {
+func (d sqliteDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, _ bool) (bool, error) {
 	var seq int64
 	if err := conn.QueryRowContext(ctx, `INSERT INTO `+t.sequences+` (aggregate_type, aggregate_id, last_sequence)
 VALUES (?, ?, 1)
@@ -85,3 +85,5 @@ func (sqliteDialect) greatest() string { return "max" }
 func (sqliteDialect) row(types ...string) string {
 	return "(?" + strings.Repeat(", ?", len(types)-1) + ")"
 }
+
+func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sort"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -71,8 +72,10 @@ type Dispatcher struct {
 	retention      time.Duration
 	sweepLimit     int
 	log            *slog.Logger
+	listen         bool
 
-	wake chan struct{}
+	wake      chan struct{}
+	inProcess atomic.Bool // Run is woken by in-process writes
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -221,6 +224,7 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 		retention:      DefaultRetention,
 		sweepLimit:     DefaultSweepLimit,
 		log:            slog.Default(),
+		listen:         true,
 		wake:           make(chan struct{}, 1),
 	}
 	if plugin, err := pluginOf(db); err == nil {

@@ -21,6 +21,8 @@ import (
 //     write would be appended after the commit and write outside it.) It
 //     asks the models for their events and writes them; if outbox:before_*
 //     opened the transaction, it commits or rolls it back.
+//   - outbox:nudge_* runs after the commit and wakes the dispatchers of this
+//     process that have no notification listener.
 func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 	type registerer interface {
 		Register(name string, fn func(*gorm.DB)) error
@@ -37,6 +39,9 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 		{"outbox:after_update", cb.Update().Before("gorm:commit_or_rollback_transaction"), p.after(OpUpdate)},
 		{"outbox:before_delete", cb.Delete().Before("gorm:before_delete"), p.before(OpDelete)},
 		{"outbox:after_delete", cb.Delete().Before("gorm:commit_or_rollback_transaction"), p.after(OpDelete)},
+		{"outbox:nudge_create", cb.Create().After("gorm:commit_or_rollback_transaction"), p.nudge},
+		{"outbox:nudge_update", cb.Update().After("gorm:commit_or_rollback_transaction"), p.nudge},
+		{"outbox:nudge_delete", cb.Delete().After("gorm:commit_or_rollback_transaction"), p.nudge},
 	} {
 		if err := c.at.Register(c.name, c.fn); err != nil {
 			return fmt.Errorf("outbox: register callback %s: %w", c.name, err)
@@ -45,7 +50,19 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 	return nil
 }
 
-const startedTxKey = "outbox:started_transaction"
+const (
+	startedTxKey = "outbox:started_transaction"
+	wroteKey     = "outbox:wrote_events"
+)
+
+// nudge wakes in-process dispatchers once a statement that wrote events has
+// committed. Inside an explicit transaction, whose commit no callback sees,
+// it fires before the commit; Dispatcher.Run then looks again shortly.
+func (p *OutboxPlugin) nudge(db *gorm.DB) {
+	if _, wrote := db.InstanceGet(wroteKey); wrote && db.Error == nil {
+		p.wake()
+	}
+}
 
 func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 	return func(db *gorm.DB) {
@@ -106,6 +123,8 @@ func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 		}
 		if err != nil {
 			_ = db.AddError(err)
+		} else if len(events) > 0 {
+			db.InstanceSet(wroteKey, true)
 		}
 	}
 }
@@ -198,7 +217,10 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 		}
 	}
 	for i := range encoded {
-		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now); err != nil {
+		// One notification per transaction is enough: PostgreSQL folds
+		// identical ones, but sending it once saves the work.
+		notify := p.notify && i == 0
+		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify); err != nil {
 			return fmt.Errorf("outbox: write event %q (%s %s/%s): %w",
 				encoded[i].id, encoded[i].typ, encoded[i].aggregateType, encoded[i].aggregateID, err)
 		}

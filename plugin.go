@@ -31,10 +31,12 @@ const pluginName = "outbox"
 // An OutboxPlugin is safe for concurrent use.
 type OutboxPlugin struct {
 	tables tables
+	notify bool
 	err    error // an invalid option, reported by Initialize
 
 	mu       sync.RWMutex
 	emitters map[reflect.Type]func(model any, op Op) ([]Event, error)
+	wakers   map[*func()]struct{}
 }
 
 // Option configures a [Plugin].
@@ -58,6 +60,19 @@ func WithTable(name string) Option {
 	}
 }
 
+// WithNotify sets whether a transaction that writes events also sends a
+// PostgreSQL notification on the channel named like the table, so that a
+// listening [Dispatcher.Run] dispatches as soon as it commits (default
+// true). The notification is part of the transaction: PostgreSQL sends it
+// only at commit, never for a rollback, and sends one per transaction
+// however many events it wrote. It has no effect on SQLite.
+func WithNotify(enabled bool) Option {
+	return func(p *OutboxPlugin) error {
+		p.notify = enabled
+		return nil
+	}
+}
+
 func validateTable(name string) error {
 	if !identifierRE.MatchString(name) {
 		return fmt.Errorf("%w: WithTable: %q is not a plain identifier of at most 48 characters ([A-Za-z_][A-Za-z0-9_]*)", ErrInvalidOption, name)
@@ -71,7 +86,9 @@ func validateTable(name string) error {
 func Plugin(opts ...Option) *OutboxPlugin {
 	p := &OutboxPlugin{
 		tables:   tablesFor(DefaultTable),
+		notify:   true,
 		emitters: make(map[reflect.Type]func(any, Op) ([]Event, error)),
+		wakers:   make(map[*func()]struct{}),
 	}
 	for _, opt := range opts {
 		if err := opt(p); err != nil && p.err == nil {
@@ -161,4 +178,28 @@ func pluginOf(db *gorm.DB) (*OutboxPlugin, error) {
 		}
 	}
 	return nil, ErrPluginNotRegistered
+}
+
+// addWaker registers wake to be called after events are written through
+// the plugin, for dispatchers in this process that have no notification
+// listener. It returns the function that unregisters it.
+func (p *OutboxPlugin) addWaker(wake func()) (remove func()) {
+	key := &wake
+	p.mu.Lock()
+	p.wakers[key] = struct{}{}
+	p.mu.Unlock()
+	return func() {
+		p.mu.Lock()
+		delete(p.wakers, key)
+		p.mu.Unlock()
+	}
+}
+
+// wake nudges the in-process dispatchers; each nudge is non-blocking.
+func (p *OutboxPlugin) wake() {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	for w := range p.wakers {
+		(*w)()
+	}
 }

@@ -26,10 +26,15 @@ func Publish(tx *gorm.DB, events ...Event) error {
 	if len(events) == 0 {
 		return nil
 	}
-	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); inTx {
-		return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events)
+	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); !inTx {
+		err = tx.Transaction(func(tx *gorm.DB) error {
+			return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events)
+		})
+	} else {
+		err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events)
 	}
-	return tx.Transaction(func(tx *gorm.DB) error {
-		return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events)
-	})
+	if err == nil {
+		p.wake()
+	}
+	return err
 }

@@ -2,27 +2,63 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
+// errNoListen says that the engine or driver cannot deliver notifications.
+var errNoListen = errors.New("outbox: notifications not supported here")
+
+// WithListen sets whether [Dispatcher.Run] listens for the notifications
+// that writing transactions send at commit (see [WithNotify]) and
+// dispatches at once, instead of only polling (default true). Listening
+// holds one connection of the *gorm.DB's pool for the lifetime of Run and
+// reconnects by itself when it drops; the poll interval stays as a
+// fallback. On SQLite, or with a driver other than pgx, Run is woken
+// in-process instead, by writes through the plugin registered on the same
+// *gorm.DB.
+func WithListen(enabled bool) DispatcherOption {
+	return func(d *Dispatcher) error {
+		d.listen = enabled
+		return nil
+	}
+}
+
+// followUp is how soon Run looks again after an in-process wake-up that
+// found nothing: the wake-up may have come from a write whose explicit
+// transaction had not committed yet.
+const followUp = 20 * time.Millisecond
+
 // Run dispatches until ctx ends, then returns nil. It claims again at once
-// while batches come back full, and otherwise waits for the poll interval
-// (see [WithPollInterval]) or a [Dispatcher.Notify], whichever comes first.
-// Errors (a lost connection, a server restart) are logged and retried at
-// the poll interval: Run recovers by itself.
+// while batches come back full, and otherwise waits for a wake-up: a
+// notification from a committing transaction (see [WithListen]), a
+// [Dispatcher.Notify], or the poll interval (see [WithPollInterval]),
+// whichever comes first. Bursts of wake-ups coalesce: a thousand commits
+// during one batch cause one more claim, not a thousand.
 //
-// When ctx ends, the batch in flight is published and settled before Run
-// returns; no new batch is claimed.
+// Errors (a lost connection, a server restart) are logged and retried at
+// the poll interval: Run recovers by itself. When ctx ends, the batch in
+// flight is published and settled before Run returns; no new batch is
+// claimed.
 func (d *Dispatcher) Run(ctx context.Context) error {
+	listenCtx, stopListening := context.WithCancel(ctx)
+	defer stopListening()
+	if d.listen {
+		go d.listenLoop(listenCtx)
+	} else {
+		d.wakeInProcess(listenCtx)
+	}
 	work := context.WithoutCancel(ctx)
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
+		woken := false
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-timer.C:
 		case <-d.wake:
+			woken = true
 		}
 		if ctx.Err() != nil {
 			return nil
@@ -34,6 +70,8 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 			d.log.Error("outbox: dispatch failed; retrying", "error", err, "in", wait)
 		case n == d.batchSize:
 			wait = 0
+		case n == 0 && woken && d.inProcess.Load():
+			wait = min(wait, followUp)
 		}
 		if !timer.Stop() {
 			select {
@@ -43,6 +81,51 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		}
 		timer.Reset(wait)
 	}
+}
+
+// listenLoop keeps a notification listener up until ctx ends, reconnecting
+// after failures. Where notifications are not supported it falls back to
+// in-process wake-ups.
+func (d *Dispatcher) listenLoop(ctx context.Context) {
+	first := min(d.pollInterval, time.Second)
+	backoff := first
+	for ctx.Err() == nil {
+		started := time.Now()
+		err := d.d.listen(ctx, d.db, d.t, d.Notify)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errNoListen) {
+			d.wakeInProcess(ctx)
+			return
+		}
+		if time.Since(started) > time.Minute {
+			backoff = first
+		}
+		d.log.Warn("outbox: notification listener lost; polling meanwhile", "error", err, "reconnect_in", backoff)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Minute)
+	}
+}
+
+// wakeInProcess subscribes Run to the writes made through the plugin on the
+// same *gorm.DB, until ctx ends.
+func (d *Dispatcher) wakeInProcess(ctx context.Context) {
+	p, err := pluginOf(d.db)
+	if err != nil {
+		return
+	}
+	d.inProcess.Store(true)
+	remove := p.addWaker(d.Notify)
+	go func() {
+		<-ctx.Done()
+		remove()
+		d.inProcess.Store(false)
+	}()
 }
 
 // Notify wakes [Dispatcher.Run] to look for due rows now instead of at its
