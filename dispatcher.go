@@ -296,6 +296,9 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 // until their blocking predecessor's retry time, by the lease when that
 // predecessor is dead-lettered, or by the poll interval when it is in
 // flight or simply later in the scan.
+//
+// held is MATERIALIZED because the UPDATE reads wait_until four times; an
+// inlined CTE would run the predecessor probe once per read.
 func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []claimed, held int, err error) {
 	now := time.Now()
 	batchID = uuid.Must(uuid.NewV7()).String()
@@ -308,7 +311,7 @@ func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []clai
 	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
 	ORDER BY next_attempt_at, id
 	LIMIT ?` + d.d.skipLocked() + `
-), held AS (
+), held AS MATERIALIZED (
 	SELECT cid, (
 		SELECT CASE p.delivery_state WHEN 'retry' THEN p.next_attempt_at WHEN 'failed' THEN ? ELSE ? END
 		FROM ` + t.records + ` p
