@@ -31,8 +31,8 @@ func (i *Invoice) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
 	}}, nil
 }
 
-// openExampleDB opens a fresh SQLite file for an example.
-func openExampleDB() (*gorm.DB, func()) {
+// exampleSQLite opens a fresh SQLite file for an example.
+func exampleSQLite() (*gorm.DB, func()) {
 	dir, err := os.MkdirTemp("", "outbox-example")
 	if err != nil {
 		log.Fatal(err)
@@ -50,8 +50,24 @@ func openExampleDB() (*gorm.DB, func()) {
 	}
 }
 
+// openExampleDB is exampleSQLite with the outbox plugin registered and the
+// outbox tables and models migrated, as ExamplePlugin shows.
+func openExampleDB(models ...any) (*gorm.DB, func()) {
+	db, done := exampleSQLite()
+	if err := db.Use(outbox.Plugin()); err != nil {
+		log.Fatal(err)
+	}
+	if err := outbox.AutoMigrate(db); err != nil {
+		log.Fatal(err)
+	}
+	if err := db.AutoMigrate(models...); err != nil {
+		log.Fatal(err)
+	}
+	return db, done
+}
+
 func ExamplePlugin() {
-	db, done := openExampleDB()
+	db, done := exampleSQLite()
 	defer done()
 
 	if err := db.Use(outbox.Plugin()); err != nil {
@@ -90,12 +106,6 @@ func ExamplePlugin() {
 func ExamplePublish() {
 	db, done := openExampleDB()
 	defer done()
-	if err := db.Use(outbox.Plugin()); err != nil {
-		log.Fatal(err)
-	}
-	if err := outbox.AutoMigrate(db); err != nil {
-		log.Fatal(err)
-	}
 
 	// An event not tied to a model write, in the caller's transaction. The
 	// transaction rolls back, and so does the event.
@@ -130,17 +140,8 @@ func ExamplePublish() {
 }
 
 func ExampleNewDispatcher() {
-	db, done := openExampleDB()
+	db, done := openExampleDB(&Invoice{})
 	defer done()
-	if err := db.Use(outbox.Plugin()); err != nil {
-		log.Fatal(err)
-	}
-	if err := outbox.AutoMigrate(db); err != nil {
-		log.Fatal(err)
-	}
-	if err := db.AutoMigrate(&Invoice{}); err != nil {
-		log.Fatal(err)
-	}
 	db.Create(&Invoice{Amount: 10})
 	db.Create(&Invoice{Amount: 20})
 

@@ -80,11 +80,7 @@ func TestListenerReconnectsAfterItsConnectionIsKilled(t *testing.T) {
 func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 	b := setup(t, outboxtest.Postgres, nil)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, b.info.DSN)
-	mustNil(t, err)
-	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, `LISTEN "outbox_records"`)
-	mustNil(t, err)
+	conn := listenConn(t, b.info.DSN)
 	count := func() int {
 		n := 0
 		for {
@@ -120,15 +116,24 @@ func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 func TestWithNotifyFalseSendsNoNotification(t *testing.T) {
 	b := setup(t, outboxtest.Postgres, nil, outbox.WithNotify(false))
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, b.info.DSN)
-	mustNil(t, err)
-	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, `LISTEN "outbox_records"`)
-	mustNil(t, err)
+	conn := listenConn(t, b.info.DSN)
 	mustNil(t, b.db.Create(&Order{Status: "quiet"}).Error)
 	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
 	if _, err := conn.WaitForNotification(wctx); err == nil {
 		t.Fatal("a notification was sent with WithNotify(false)")
 	}
+}
+
+// listenConn returns a connection of its own that listens on the outbox
+// table's channel.
+func listenConn(t *testing.T, dsn string) *pgx.Conn {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	mustNil(t, err)
+	t.Cleanup(func() { conn.Close(ctx) })
+	_, err = conn.Exec(ctx, `LISTEN "outbox_records"`)
+	mustNil(t, err)
+	return conn
 }
