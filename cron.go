@@ -13,6 +13,12 @@ import (
 // Schedule holds the cron specs of the dispatcher's three jobs, each with a
 // leading seconds field ("sec min hour dom month dow") or a descriptor such
 // as "@every 5s". An empty spec leaves that job out.
+//
+// Cron runs a job at most once a second, so a scheduled dispatcher picks up
+// a commit within about a second; [Dispatcher.Run] reacts at once. Rows held
+// back for per-aggregate order, or reported as not attempted, become due
+// again after the dispatcher's poll interval (see [WithPollInterval]), so
+// keep that interval at or below the dispatch period.
 type Schedule struct {
 	// Dispatch claims and publishes; each run drains while batches come
 	// back full.
@@ -101,7 +107,7 @@ func (s *Scheduler) Start() { s.cron.Start() }
 // Stop stops scheduling new runs, lets the runs in progress finish (a
 // dispatch run publishes and settles its batch in flight, then claims no
 // more) and waits for them until ctx ends. It returns ctx.Err() if ctx ended
-// first, nil otherwise.
+// first, nil otherwise. Stop may be called more than once.
 func (s *Scheduler) Stop(ctx context.Context) error {
 	s.once.Do(s.cancel)
 	done := s.cron.Stop()

@@ -213,3 +213,58 @@ func TestExpiredLeaseIsReclaimed(t *testing.T) {
 		}
 	})
 }
+
+// delayError asks for a retry delay, like an HTTP 429 with Retry-After.
+type delayError struct{ d time.Duration }
+
+func (e delayError) Error() string             { return "slow down" }
+func (e delayError) RetryDelay() time.Duration { return e.d }
+
+func TestRetryWaitsAtLeastWhatThePublisherAsks(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 1)
+		publishN(t, b.db, "b", 1)
+		publishN(t, b.db, "c", 1)
+		d := newDispatcher(t, b.db, &recorder{next: func(outbox.Batch) error {
+			return fmt.Errorf("gateway: %w", delayError{time.Hour})
+		}})
+		before := time.Now()
+		dispatch(t, d)
+		rs := b.records(t)
+		if wait := rs[0].NextAttemptAt.Sub(before); wait < time.Hour-time.Second {
+			t.Fatalf("next attempt in %v, want at least the hour the publisher asked for", wait)
+		}
+		for _, r := range rs[1:] {
+			if !r.NextAttemptAt.Equal(rs[0].NextAttemptAt) {
+				t.Fatalf("rows of one failed batch got different retry times %v and %v: they would come back split", rs[0].NextAttemptAt, r.NextAttemptAt)
+			}
+		}
+	})
+}
+
+func TestStatsCountsRowsByState(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 1)
+		publishN(t, b.db, "b", 2)
+		d := newDispatcher(t, b.db, &recorder{next: func(batch outbox.Batch) error {
+			return &outbox.PartialError{Failed: map[string]error{
+				batch.Messages[1].EventID: outbox.Permanent(errors.New("poison b")),
+				batch.Messages[2].EventID: outbox.ErrNotAttempted,
+			}}
+		}})
+		dispatch(t, d)
+		publishN(t, b.db, "c", 1)
+		s, err := d.Stats(context.Background())
+		mustNil(t, err)
+		got := fmt.Sprintf("pending %d delivering %d delivered %d retry %d failed %d undelivered %d last %q",
+			s.Pending, s.Delivering, s.Delivered, s.Retry, s.Failed, s.Undelivered(), s.LastFailure)
+		if want := `pending 2 delivering 0 delivered 1 retry 0 failed 1 undelivered 3 last "permanent: poison b"`; got != want {
+			t.Fatalf("stats %s, want %s", got, want)
+		}
+		if s.OldestDue.IsZero() || time.Since(s.OldestDue) > time.Minute {
+			t.Fatalf("OldestDue = %v, want the time the pending rows became due", s.OldestDue)
+		}
+	})
+}

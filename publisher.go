@@ -54,6 +54,10 @@ type Batch struct {
 // [IsPermanent] is true of the error (see [Permanent]), dead-lettered at
 // once.
 //
+// An error may say how long to wait before the next attempt by
+// implementing [RetryDelayer] (outboxhttp's StatusError does, from
+// Retry-After); the dispatcher then waits at least that long.
+//
 // Messages of one aggregate appear in the batch in Sequence order. A
 // publisher that accepts messages one by one must not accept a message
 // after a failed one of the same aggregate; it reports [ErrNotAttempted]

@@ -20,6 +20,9 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 		args      []any
 		delivered int
 		failed    int
+		// One backoff per attempt count and error, so that the rows of a
+		// batch that failed together come back together.
+		backoffs = map[backoffKey]time.Duration{}
 	)
 	for i, r := range rows {
 		err := outcomes[i]
@@ -41,7 +44,13 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 				state = StateFailed
 				failed++
 			} else {
-				state, next = StateRetry, now.Add(d.retry.Backoff(attempts, err))
+				k := backoffKey{attempts, err.Error()}
+				wait, ok := backoffs[k]
+				if !ok {
+					wait = max(d.retry.Backoff(attempts, err), retryDelay(err))
+					backoffs[k] = wait
+				}
+				state, next = StateRetry, now.Add(wait)
 			}
 		}
 		values = append(values, d.d.row("bigint", "text", "integer", "timestamptz", "text"))
@@ -72,10 +81,37 @@ WHERE id = vid AND batch_id = ? AND delivery_state = 'delivering'`), args...)
 		}
 	}
 	if pubErr != nil {
-		d.log.Warn("outbox: batch not fully accepted", "batch_id", batchID, "messages", len(rows),
+		msg := "outbox: batch not accepted"
+		if delivered > 0 {
+			msg = "outbox: batch partly accepted"
+		}
+		d.log.Warn(msg, "batch_id", batchID, "messages", len(rows),
 			"delivered", delivered, "dead_lettered", failed, "error", pubErr)
 	}
 	return delivered, nil
+}
+
+type backoffKey struct {
+	attempts int
+	err      string
+}
+
+// RetryDelayer is implemented by publish errors that know how long to wait
+// before the next attempt, such as an HTTP 429 or 503 with Retry-After.
+// The dispatcher waits at least that long, and longer if its retry policy
+// says so.
+type RetryDelayer interface {
+	RetryDelay() time.Duration
+}
+
+// retryDelay returns the delay err asks for, if any error it wraps is a
+// RetryDelayer.
+func retryDelay(err error) time.Duration {
+	var rd RetryDelayer
+	if errors.As(err, &rd) {
+		return rd.RetryDelay()
+	}
+	return 0
 }
 
 // outcomes returns, per row, nil when the publisher accepted it or why not.

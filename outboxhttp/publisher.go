@@ -326,6 +326,10 @@ type StatusError struct {
 
 // Error describes the status, the requested delay if any, and the start of the
 // body, on one line.
+// RetryDelay returns RetryAfter, so that the dispatcher waits at least as
+// long as the receiver asked before trying again (see outbox.RetryDelayer).
+func (e *StatusError) RetryDelay() time.Duration { return e.RetryAfter }
+
 func (e *StatusError) Error() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "status %d", e.StatusCode)

@@ -1,0 +1,75 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// Stats counts the outbox rows by delivery state, for health checks,
+// dashboards and tests.
+type Stats struct {
+	Pending, Delivering, Delivered, Retry, Failed int64
+	// OldestDue is the next_attempt_at of the longest-waiting row that is
+	// due (pending, retry or delivering past its lease); zero when none is.
+	// time.Since(OldestDue) is the dispatch lag.
+	OldestDue time.Time
+	// LastFailure is the last_error of the most recently dead-lettered row,
+	// empty when none is failed.
+	LastFailure string
+}
+
+// Undelivered is how many rows are not delivered yet, failed ones included.
+func (s Stats) Undelivered() int64 { return s.Pending + s.Delivering + s.Retry + s.Failed }
+
+// Stats reads the counts of the outbox table. It scans every row, so call
+// it for monitoring at human rates, not on a hot path.
+func (d *Dispatcher) Stats(ctx context.Context) (Stats, error) {
+	var s Stats
+	rows, err := d.db.Statement.ConnPool.QueryContext(ctx,
+		`SELECT delivery_state, count(*) FROM `+d.t.records+` GROUP BY delivery_state`)
+	if err != nil {
+		return s, fmt.Errorf("outbox: stats: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			state string
+			n     int64
+		)
+		if err := rows.Scan(&state, &n); err != nil {
+			return s, fmt.Errorf("outbox: stats: %w", err)
+		}
+		switch state {
+		case StatePending:
+			s.Pending = n
+		case StateDelivering:
+			s.Delivering = n
+		case StateDelivered:
+			s.Delivered = n
+		case StateRetry:
+			s.Retry = n
+		case StateFailed:
+			s.Failed = n
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return s, fmt.Errorf("outbox: stats: %w", err)
+	}
+	now := d.d.timeArg(time.Now())
+	var oldest scanTime
+	if err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.bind(`SELECT min(next_attempt_at) FROM `+d.t.records+
+		` WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?`), now).Scan(&oldest); err != nil {
+		return s, fmt.Errorf("outbox: stats: %w", err)
+	}
+	s.OldestDue = oldest.Time
+	if s.Failed > 0 {
+		var last nullString
+		if err := d.db.Statement.ConnPool.QueryRowContext(ctx, `SELECT last_error FROM `+d.t.records+
+			` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`).Scan(&last); err != nil {
+			return s, fmt.Errorf("outbox: stats: %w", err)
+		}
+		s.LastFailure = last.String
+	}
+	return s, nil
+}
