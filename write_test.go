@@ -154,6 +154,21 @@ func TestOutboxRowsCommitIffBusinessWriteCommits(t *testing.T) {
 			}))
 			return nil
 		}},
+		{"PreparedStatementsCommit", &gorm.Config{PrepareStmt: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustNil(t, db.Create(&Order{Status: "a"}).Error)
+			mustNil(t, db.Transaction(func(tx *gorm.DB) error { return tx.Create(&Order{Status: "b"}).Error }))
+			return []string{"a", "b"}
+		}},
+		{"PreparedStatementsRollBack", &gorm.Config{PrepareStmt: true, SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustErr(t, db.Create(&Broken{Mode: "cycle"}).Error)
+			mustErr(t, db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&Order{Status: "a"}).Error; err != nil {
+					return err
+				}
+				return errRollback
+			}))
+			return nil
+		}},
 		{"PublishRollsBackWithTransaction", nil, func(t *testing.T, db *gorm.DB) []string {
 			mustErr(t, db.Transaction(func(tx *gorm.DB) error {
 				if err := outbox.Publish(tx, outbox.Event{Type: "x", AggregateType: "order", AggregateID: "1"}); err != nil {
