@@ -35,6 +35,10 @@ type dialect interface {
 	// FOR UPDATE SKIP LOCKED where the engine has row locks, nothing where a
 	// write statement holds the whole database.
 	skipLocked() string
+	// rejectsData reports whether err is the engine refusing a value (bad
+	// encoding, a number out of range) rather than a failure of the
+	// database: the event is then invalid, not the write.
+	rejectsData(err error) bool
 	// greatest names the two-argument maximum function.
 	greatest() string
 	// row returns a VALUES row of placeholders typed as given (bigint, text,

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"gorm.io/gorm"
 )
 
@@ -138,4 +139,10 @@ func (postgresDialect) row(types ...string) string {
 		parts[i] = "?::" + t
 	}
 	return "(" + strings.Join(parts, ", ") + ")"
+}
+
+// rejectsData: SQLSTATE class 22 is "data exception".
+func (postgresDialect) rejectsData(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }

@@ -87,3 +87,6 @@ func (sqliteDialect) row(types ...string) string {
 }
 
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
+
+// rejectsData: SQLite stores any text it is given; encode has checked it.
+func (sqliteDialect) rejectsData(error) bool { return false }

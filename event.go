@@ -2,8 +2,12 @@ package outbox
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 )
@@ -71,6 +75,19 @@ func (e Event) encode(now time.Time) (encodedEvent, error) {
 	case e.AggregateID == "":
 		return encodedEvent{}, fmt.Errorf("%w %q: AggregateID is empty", ErrInvalidEvent, e.Type)
 	}
+	for _, f := range []struct{ name, value string }{
+		{"Type", e.Type}, {"AggregateType", e.AggregateType}, {"AggregateID", e.AggregateID},
+		{"ID", e.ID}, {"IdempotencyKey", e.IdempotencyKey},
+	} {
+		if err := storableText(f.value); err != nil {
+			return encodedEvent{}, fmt.Errorf("%w %q: %s %w", ErrInvalidEvent, e.Type, f.name, err)
+		}
+	}
+	for k, v := range e.Headers {
+		if err := errors.Join(storableText(k), storableText(v)); err != nil {
+			return encodedEvent{}, fmt.Errorf("%w %q: header %q: %w", ErrInvalidEvent, e.Type, k, err)
+		}
+	}
 	enc := encodedEvent{
 		id:            e.ID,
 		typ:           e.Type,
@@ -120,10 +137,65 @@ func encodePayload(p any) (string, error) {
 		if err != nil {
 			return "", err
 		}
-		return string(b), nil
+		return string(b), storableJSON(string(b))
 	}
 	if !json.Valid(raw) {
 		return "", fmt.Errorf("raw payload is not valid JSON (%d bytes)", len(raw))
 	}
-	return string(raw), nil
+	return string(raw), storableJSON(string(raw))
+}
+
+// storableText rejects what no engine stores the same way: invalid UTF-8,
+// which PostgreSQL refuses, and NUL, which text columns cannot hold.
+func storableText(s string) error {
+	switch {
+	case !utf8.ValidString(s):
+		return errors.New("is not valid UTF-8")
+	case strings.IndexByte(s, 0) >= 0:
+		return errors.New("contains a NUL character")
+	}
+	return nil
+}
+
+// storableJSON rejects valid JSON text that PostgreSQL's jsonb refuses, so
+// that an event that works on SQLite in development does not fail in
+// production: invalid UTF-8, the escape \u0000, and \u escapes of UTF-16
+// surrogates that do not form a pair. In valid JSON every backslash starts
+// an escape inside a string, so no string tracking is needed.
+func storableJSON(s string) error {
+	if !utf8.ValidString(s) {
+		return errors.New("is not valid UTF-8")
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] != '\\' {
+			continue
+		}
+		i++ // the escaped character
+		if s[i] != 'u' {
+			continue
+		}
+		r := hex4(s[i+1 : i+5])
+		i += 4
+		switch {
+		case r == 0:
+			return errors.New(`contains \u0000, which PostgreSQL cannot store`)
+		case r >= 0xDC00 && r < 0xE000:
+			return errors.New("contains an unpaired low surrogate escape")
+		case r >= 0xD800 && r < 0xDC00:
+			if i+6 < len(s) && s[i+1] == '\\' && s[i+2] == 'u' {
+				if lo := hex4(s[i+3 : i+7]); lo >= 0xDC00 && lo < 0xE000 {
+					i += 6
+					continue
+				}
+			}
+			return errors.New("contains an unpaired high surrogate escape")
+		}
+	}
+	return nil
+}
+
+// hex4 decodes the four hex digits of a JSON \u escape.
+func hex4(s string) rune {
+	n, _ := strconv.ParseUint(s, 16, 16)
+	return rune(n)
 }

@@ -5,10 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"os/signal"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -58,6 +61,17 @@ type helperConfig struct {
 	Out       string
 	Lease     time.Duration
 	FailEvery int // every n-th batch fails as a whole; 0 never
+	// Log, when set, is a file the process appends its dispatcher log to
+	// (JSON lines, level info and above, each with the process id), along
+	// with a "helper: publish" line when a publish starts and when it
+	// returns. When empty, the dispatcher logs to stderr as slog.Default.
+	Log string
+	// Delay, when positive, makes the publisher sleep a random time below
+	// it before it accepts a batch and again after, honouring its context,
+	// to widen the window in which a kill lands mid-publish.
+	Delay time.Duration
+	// BatchSize is the dispatcher's batch size; 0 means 20.
+	BatchSize int
 }
 
 func (c helperConfig) env() []string {
@@ -68,8 +82,15 @@ func (c helperConfig) env() []string {
 		"OUTBOX_HELPER_OUT="+c.Out,
 		"OUTBOX_HELPER_LEASE="+c.Lease.String(),
 		"OUTBOX_HELPER_FAIL_EVERY="+strconv.Itoa(c.FailEvery),
+		"OUTBOX_HELPER_LOG="+c.Log,
+		"OUTBOX_HELPER_DELAY="+c.Delay.String(),
+		"OUTBOX_HELPER_BATCH="+strconv.Itoa(c.BatchSize),
 	)
 }
+
+// helperPublishMsg is the message of the lines a dispatcher process logs
+// when a publish starts (phase "start") and returns (phase "end").
+const helperPublishMsg = "helper: publish"
 
 // startDispatcherProcess starts a dispatcher process; it runs until killed
 // or interrupted.
@@ -94,6 +115,11 @@ func runDispatcherProcess() error {
 		return err
 	}
 	failEvery, _ := strconv.Atoi(os.Getenv("OUTBOX_HELPER_FAIL_EVERY"))
+	delay, _ := time.ParseDuration(os.Getenv("OUTBOX_HELPER_DELAY"))
+	batchSize, _ := strconv.Atoi(os.Getenv("OUTBOX_HELPER_BATCH"))
+	if batchSize <= 0 {
+		batchSize = 20
+	}
 	engine := outboxtest.Engine(os.Getenv("OUTBOX_HELPER_ENGINE"))
 	db, err := gorm.Open(outboxtest.Dialector(engine, os.Getenv("OUTBOX_HELPER_DSN")), &gorm.Config{Logger: logger.Discard})
 	if err != nil {
@@ -103,18 +129,47 @@ func runDispatcherProcess() error {
 	if err != nil {
 		return err
 	}
+	pid := os.Getpid()
+	log := slog.Default()
+	if path := os.Getenv("OUTBOX_HELPER_LOG"); path != "" {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+		if err != nil {
+			return err
+		}
+		// The JSON handler writes each record with one write call, so that
+		// records of several processes never interleave.
+		log = slog.New(slog.NewJSONHandler(f, &slog.HandlerOptions{Level: slog.LevelInfo})).With("pid", pid)
+	}
+	// sleep waits up to delay, or until ctx ends; it reports whether ctx
+	// is still alive.
+	sleep := func(ctx context.Context) bool {
+		if delay <= 0 {
+			return ctx.Err() == nil
+		}
+		select {
+		case <-time.After(rand.N(delay)):
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
 	var (
 		mu      sync.Mutex
 		batches int
 	)
-	pid := os.Getpid()
 	pub := outbox.PublisherFunc(func(ctx context.Context, b outbox.Batch) error {
 		mu.Lock()
 		defer mu.Unlock()
+		log.Info(helperPublishMsg, "phase", "start", "batch_id", b.ID, "messages", len(b.Messages))
+		defer log.Info(helperPublishMsg, "phase", "end", "batch_id", b.ID)
 		batches++
 		if failEvery > 0 && batches%failEvery == 0 {
 			return fmt.Errorf("transient failure of batch %d", batches)
 		}
+		if !sleep(ctx) {
+			return ctx.Err()
+		}
+		var lines []byte
 		for _, m := range b.Messages {
 			a := acceptance{EventID: m.EventID, Type: m.EventType, Aggregate: m.AggregateType + "/" + m.AggregateID,
 				Sequence: m.Sequence, PID: pid, Batch: b.ID, Attempt: m.Attempt, Visible: true}
@@ -126,16 +181,22 @@ func runDispatcherProcess() error {
 				a.Visible = n == 1
 			}
 			line, _ := json.Marshal(a)
-			// One write per line with O_APPEND: lines of several processes
-			// never interleave.
-			if _, err := out.Write(append(line, '\n')); err != nil {
-				return err
-			}
+			lines = append(append(lines, line...), '\n')
 		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		// The whole batch is accepted with one write with O_APPEND: lines of
+		// several processes never interleave, and a kill lands before or
+		// after the write, never inside it.
+		if _, err := out.Write(lines); err != nil {
+			return err
+		}
+		sleep(ctx)
 		return nil
 	})
-	d, err := outbox.NewDispatcher(db, pub,
-		outbox.WithLease(lease), outbox.WithPublishTimeout(lease/2), outbox.WithBatchSize(20),
+	d, err := outbox.NewDispatcher(db, pub, outbox.WithLogger(log),
+		outbox.WithLease(lease), outbox.WithPublishTimeout(lease/2), outbox.WithBatchSize(batchSize),
 		outbox.WithPollInterval(20*time.Millisecond), outbox.WithMaxAttempts(1000),
 		outbox.WithRetryPolicy(outbox.RetryPolicyFunc(func(int, error) time.Duration { return 50 * time.Millisecond })))
 	if err != nil {
@@ -201,4 +262,54 @@ func checkAcceptances(t *testing.T, as []acceptance, committed map[string]bool) 
 		}
 	}
 	return redeliveries
+}
+
+// helperLogLine is one line of a dispatcher process's log file (see
+// helperConfig.Log): a dispatcher log record or a publish marker.
+type helperLogLine struct {
+	Msg     string `json:"msg"`
+	Level   string `json:"level"`
+	PID     int    `json:"pid"`
+	BatchID string `json:"batch_id"`
+	Phase   string `json:"phase"`
+	Error   string `json:"error"`
+}
+
+// readHelperLog reads the log file dispatcher processes append to.
+func readHelperLog(t *testing.T, path string) []helperLogLine {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if os.IsNotExist(err) {
+		return nil
+	}
+	mustNil(t, err)
+	var ls []helperLogLine
+	for _, raw := range strings.Split(string(data), "\n") {
+		var l helperLogLine
+		if raw != "" && json.Unmarshal([]byte(raw), &l) == nil {
+			ls = append(ls, l)
+		}
+	}
+	return ls
+}
+
+// timedOutBatches returns the batches whose lease the dispatcher reports
+// as run out before their settle took effect: the settle found the rows
+// claimed by another batch, the settle itself failed (the rows stay
+// delivering until their lease passes), or the publisher was abandoned at
+// its deadline. Those batches are redelivered by design.
+func timedOutBatches(lines []helperLogLine) map[string]string {
+	out := map[string]string{}
+	for _, l := range lines {
+		switch {
+		case strings.Contains(l.Msg, "lease lost before settle"):
+			out[l.BatchID] = "lease lost before settle"
+		case strings.Contains(l.Msg, "ignored its deadline"):
+			out[l.BatchID] = "publish abandoned at its deadline"
+		case strings.Contains(l.Error, "settle batch "):
+			id, _, _ := strings.Cut(strings.SplitN(l.Error, "settle batch ", 2)[1], ":")
+			out[id] = "settle failed: " + l.Error
+		}
+	}
+	return out
 }

@@ -221,8 +221,11 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 		// identical ones, but sending it once saves the work.
 		notify := p.notify && i == 0
 		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify); err != nil {
-			return fmt.Errorf("outbox: write event %q (%s %s/%s): %w",
-				encoded[i].id, encoded[i].typ, encoded[i].aggregateType, encoded[i].aggregateID, err)
+			e := &encoded[i]
+			if d.rejectsData(err) {
+				return fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, e.typ, err)
+			}
+			return fmt.Errorf("outbox: write event %q (%s %s/%s): %w", e.id, e.typ, e.aggregateType, e.aggregateID, err)
 		}
 	}
 	return nil

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"reflect"
 	"regexp"
+	"strings"
 	"sync"
 
 	"gorm.io/gorm"
@@ -43,13 +44,15 @@ type OutboxPlugin struct {
 type Option func(*OutboxPlugin) error
 
 // identifierRE accepts plain SQL identifiers short enough that every name
-// derived from them (sequence table, indexes) fits PostgreSQL's 63 bytes.
-var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,47}$`)
+// derived from them (the longest is <name>_idempotency_key_key) fits
+// PostgreSQL's 63 bytes.
+var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,42}$`)
 
 // WithTable sets the name of the outbox table (default [DefaultTable]).
 // The name must be a plain identifier: a letter or underscore, then
-// letters, digits or underscores, 48 characters at most. It is used quoted,
-// so its case is kept. The dispatcher must be given the same name.
+// letters, digits or underscores, 43 characters at most, not starting with
+// "sqlite_" (reserved by SQLite). It is used quoted, so its case is kept. A
+// dispatcher uses the table of the plugin registered on its *gorm.DB.
 func WithTable(name string) Option {
 	return func(p *OutboxPlugin) error {
 		if err := validateTable(name); err != nil {
@@ -75,7 +78,10 @@ func WithNotify(enabled bool) Option {
 
 func validateTable(name string) error {
 	if !identifierRE.MatchString(name) {
-		return fmt.Errorf("%w: WithTable: %q is not a plain identifier of at most 48 characters ([A-Za-z_][A-Za-z0-9_]*)", ErrInvalidOption, name)
+		return fmt.Errorf("%w: WithTable: %q is not a plain identifier of at most 43 characters ([A-Za-z_][A-Za-z0-9_]*)", ErrInvalidOption, name)
+	}
+	if strings.HasPrefix(strings.ToLower(name), "sqlite_") {
+		return fmt.Errorf("%w: WithTable: %q starts with sqlite_, which SQLite reserves", ErrInvalidOption, name)
 	}
 	return nil
 }

@@ -96,4 +96,3 @@ func TestConcurrentWritersGetGaplessSequences(t *testing.T) {
 }
 
 var errRollback = errors.New("roll back on purpose")
-

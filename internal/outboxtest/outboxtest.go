@@ -107,6 +107,9 @@ func config(cfg *gorm.Config) *gorm.Config {
 // timeout, and BEGIN IMMEDIATE so that concurrent writers queue instead of
 // failing.
 func SQLiteDSN(path string) string {
+	// A file: URI ends its path at ? or #, and decodes %: escape them, as
+	// t.TempDir keeps them from test names.
+	path = strings.NewReplacer("%", "%25", "?", "%3f", "#", "%23").Replace(path)
 	return "file:" + path + "?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate&_foreign_keys=1"
 }
 
