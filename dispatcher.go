@@ -298,7 +298,8 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 // flight or simply later in the scan.
 //
 // held is MATERIALIZED because the UPDATE reads wait_until four times; an
-// inlined CTE would run the predecessor probe once per read.
+// inlined CTE would run the predecessor probe once per read. The first event
+// of an aggregate has no predecessor to probe for.
 func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []claimed, held int, err error) {
 	now := time.Now()
 	batchID = uuid.Must(uuid.NewV7()).String()
@@ -312,14 +313,14 @@ func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []clai
 	ORDER BY next_attempt_at, id
 	LIMIT ?` + d.d.skipLocked() + `
 ), held AS MATERIALIZED (
-	SELECT cid, (
+	SELECT cid, CASE WHEN cseq = 1 THEN NULL ELSE (
 		SELECT CASE p.delivery_state WHEN 'retry' THEN p.next_attempt_at WHEN 'failed' THEN ? ELSE ? END
 		FROM ` + t.records + ` p
 		WHERE p.aggregate_type = ctype AND p.aggregate_id = caid AND p.aggregate_sequence < cseq
 			AND p.delivery_state <> 'delivered' AND p.id NOT IN (SELECT cid FROM cand)
 		ORDER BY p.aggregate_sequence
 		LIMIT 1
-	) AS wait_until
+	) END AS wait_until
 	FROM cand
 )
 UPDATE ` + t.records + ` SET
