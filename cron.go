@@ -15,10 +15,10 @@ import (
 // as "@every 5s". An empty spec leaves that job out.
 //
 // Cron runs a job at most once a second, so a scheduled dispatcher picks up
-// a commit within about a second; [Dispatcher.Run] reacts at once. Rows held
-// back for per-aggregate order, or reported as not attempted, become due
-// again after the dispatcher's poll interval (see [WithPollInterval]), so
-// keep that interval at or below the dispatch period.
+// a commit within about a second; [Dispatcher.Run] reacts at once. Messages
+// reported as not attempted become due again after the dispatcher's poll
+// interval (see [WithPollInterval]), so keep that interval at or below the
+// dispatch period.
 type Schedule struct {
 	// Dispatch claims and publishes; each run drains while batches come
 	// back full.

@@ -32,8 +32,14 @@ const (
 	DefaultMaxAttempts    = 10
 	DefaultRetention      = 7 * 24 * time.Hour
 	DefaultSweepLimit     = 1000
-	maxBatchSize          = 10000
-	maxErrorLen           = 2000
+	// heldRecheck is how soon a row held back behind a predecessor that is
+	// in flight, or simply later in the scan, is looked at again. Short,
+	// because such a predecessor usually settles within milliseconds; a
+	// poll interval here made four dispatchers on one backlog slower than
+	// one (bench: 700 -> 5,000 events/s).
+	heldRecheck  = 25 * time.Millisecond
+	maxBatchSize = 10000
+	maxErrorLen  = 2000
 )
 
 // Dispatcher moves outbox rows to a [Publisher]: it claims due rows,
@@ -122,9 +128,8 @@ func WithPublishTimeout(timeout time.Duration) DispatcherOption {
 }
 
 // WithPollInterval sets how often [Dispatcher.Run] looks for due rows when
-// it has not been woken (default [DefaultPollInterval]). It is also how long
-// a row held back for per-aggregate order waits before it is looked at
-// again, when its predecessor is in flight.
+// it has not been woken (default [DefaultPollInterval]). A message that a
+// publisher reported as not attempted is due again after it.
 func WithPollInterval(interval time.Duration) DispatcherOption {
 	return func(d *Dispatcher) error {
 		if interval <= 0 {
@@ -294,8 +299,8 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 // those whose undelivered predecessors are all in the same scan; marks them
 // delivering under a fresh batch id and lease; and pushes the others back:
 // until their blocking predecessor's retry time, by the lease when that
-// predecessor is dead-lettered, or by the poll interval when it is in
-// flight or simply later in the scan.
+// predecessor is dead-lettered, or by heldRecheck when it is in flight or
+// simply later in the scan.
 //
 // held is MATERIALIZED because the UPDATE reads wait_until four times; an
 // inlined CTE would run the predecessor probe once per read. The first event
@@ -303,7 +308,7 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []claimed, held int, err error) {
 	now := time.Now()
 	batchID = uuid.Must(uuid.NewV7()).String()
-	short := d.d.timeArg(now.Add(d.pollInterval))
+	short := d.d.timeArg(now.Add(min(d.pollInterval, heldRecheck)))
 	lease := d.d.timeArg(now.Add(d.lease))
 	t := d.t
 	q := d.d.bind(`WITH cand AS (
