@@ -8,16 +8,19 @@ import (
 	"time"
 )
 
-// settle records the outcome of a published batch in one statement.
-// Every row is updated only if it is still delivering under this batch's
-// id: a row whose lease was taken over by another claim is left alone. It
-// returns how many rows it marked delivered.
+// settle records the outcome of a published batch. Rows with the same
+// outcome (state, attempts, next attempt, error) are settled together, by
+// primary key, in one statement: one statement for a batch that was
+// accepted or refused as a whole. Every row is updated only if it is still
+// delivering under this batch's id: a row whose lease was taken over by
+// another claim is left alone. It returns how many rows it marked
+// delivered.
 func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed, pubErr error) (int, error) {
 	now := time.Now()
 	outcomes := d.outcomes(rows, pubErr)
 	var (
-		values    []string
-		args      []any
+		groups    = map[settleKey][]any{}
+		order     []settleKey
 		delivered int
 		failed    int
 		// One backoff per attempt count and error, so that the rows of a
@@ -26,59 +29,51 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 	)
 	for i, r := range rows {
 		err := outcomes[i]
-		state, attempts, next, lastErr := StateDelivered, r.attempts+1, now, (*string)(nil)
+		k := settleKey{state: StateDelivered, attempts: r.attempts + 1, next: now}
 		switch {
 		case err == nil:
 			delivered++
 		case errors.Is(err, ErrNotAttempted):
 			// Back without counting an attempt, after a poll interval so that
 			// a publisher that keeps declining cannot spin the dispatcher.
-			state, attempts, next = StateRetry, r.attempts, now.Add(d.pollInterval)
+			k.state, k.attempts, k.next = StateRetry, r.attempts, now.Add(d.pollInterval)
 			if r.attempts == 0 {
-				state = StatePending
+				k.state = StatePending
 			}
 		default:
-			msg := truncate(err.Error(), maxErrorLen)
-			lastErr = &msg
-			if IsPermanent(err) || attempts >= d.maxAttempts {
-				state = StateFailed
+			k.lastErr, k.hasErr = truncate(err.Error(), maxErrorLen), true
+			if IsPermanent(err) || k.attempts >= d.maxAttempts {
+				k.state = StateFailed
 				failed++
 			} else {
-				k := backoffKey{attempts, err.Error()}
-				wait, ok := backoffs[k]
+				bk := backoffKey{k.attempts, k.lastErr}
+				wait, ok := backoffs[bk]
 				if !ok {
-					wait = max(d.retry.Backoff(attempts, err), retryDelay(err))
-					backoffs[k] = wait
+					wait = max(d.retry.Backoff(k.attempts, err), retryDelay(err))
+					backoffs[bk] = wait
 				}
-				state, next = StateRetry, now.Add(wait)
+				k.state, k.next = StateRetry, now.Add(wait)
 			}
 		}
-		values = append(values, d.d.row("bigint", "text", "integer", "timestamptz", "text"))
-		args = append(args, r.id, state, attempts, d.d.timeArg(next), lastErr)
-	}
-	ts := d.d.timeArg(now)
-	args = append(args, ts, ts, batchID)
-	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`WITH v(vid, vstate, vattempts, vnext, verror) AS (VALUES `+
-		strings.Join(values, ", ")+`)
-UPDATE `+d.t.records+` SET
-	delivery_state = vstate,
-	delivery_attempts = vattempts,
-	next_attempt_at = vnext,
-	last_error = CASE WHEN vstate = 'delivered' THEN NULL ELSE coalesce(verror, last_error) END,
-	locked_until = NULL,
-	delivered_at = CASE WHEN vstate = 'delivered' THEN `+d.d.row("timestamptz")+` ELSE NULL END,
-	updated_at = ?
-FROM v
-WHERE id = vid AND batch_id = ? AND delivery_state = 'delivering'`), args...)
-	if err != nil {
-		return 0, fmt.Errorf("outbox: settle batch %s: %w", batchID, err)
-	}
-	if n, err := res.RowsAffected(); err == nil && int(n) < len(rows) {
-		d.log.Warn("outbox: lease lost before settle; another dispatcher owns those rows now",
-			"batch_id", batchID, "rows", len(rows), "settled", n)
-		if int(n) < delivered {
-			delivered = int(n)
+		if _, seen := groups[k]; !seen {
+			order = append(order, k)
 		}
+		groups[k] = append(groups[k], r.id)
+	}
+	settled := 0
+	for _, k := range order {
+		n, err := d.settleGroup(ctx, batchID, k, groups[k], now)
+		if err != nil {
+			return 0, fmt.Errorf("outbox: settle batch %s: %w", batchID, err)
+		}
+		settled += n
+		if k.state == StateDelivered && n < len(groups[k]) {
+			delivered -= len(groups[k]) - n
+		}
+	}
+	if settled < len(rows) {
+		d.log.Warn("outbox: lease lost before settle; another dispatcher owns those rows now",
+			"batch_id", batchID, "rows", len(rows), "settled", settled)
 	}
 	if pubErr != nil {
 		msg := "outbox: batch not accepted"
@@ -89,6 +84,46 @@ WHERE id = vid AND batch_id = ? AND delivery_state = 'delivering'`), args...)
 			"delivered", delivered, "dead_lettered", failed, "error", pubErr)
 	}
 	return delivered, nil
+}
+
+// settleKey is one outcome; rows that share it are settled together.
+type settleKey struct {
+	state    string
+	attempts int
+	next     time.Time
+	lastErr  string
+	hasErr   bool
+}
+
+// settleGroup applies one outcome to the rows ids, by primary key (the
+// planner answers an IN list with the primary key index whatever it thinks
+// of batch_id), and returns how many it updated.
+func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []any, now time.Time) (int, error) {
+	args := []any{k.state, k.attempts, d.d.timeArg(k.next)}
+	lastErr := "last_error" // not attempted: keep the reason of the last failure
+	switch {
+	case k.state == StateDelivered:
+		lastErr = "NULL"
+	case k.hasErr:
+		lastErr = "?"
+		args = append(args, k.lastErr)
+	}
+	var deliveredAt any
+	if k.state == StateDelivered {
+		deliveredAt = d.d.timeArg(now)
+	}
+	args = append(args, deliveredAt, d.d.timeArg(now))
+	args = append(args, ids...)
+	args = append(args, batchID)
+	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
+	delivery_state = ?, delivery_attempts = ?, next_attempt_at = ?, last_error = `+lastErr+`,
+	locked_until = NULL, delivered_at = ?, updated_at = ?
+WHERE id IN (?`+strings.Repeat(", ?", len(ids)-1)+`) AND batch_id = ? AND delivery_state = 'delivering'`), args...)
+	if err != nil {
+		return 0, err
+	}
+	n, err := res.RowsAffected()
+	return int(n), err
 }
 
 type backoffKey struct {
