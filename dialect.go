@@ -39,8 +39,15 @@ type dialect interface {
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
 	rejectsData(err error) bool
-	// greatest names the two-argument maximum function.
-	greatest() string
+	// heldAt is the time a claim gives a row held back behind a predecessor
+	// that is in flight or later in the scan, given the placeholder for
+	// now + heldRecheck: just past the scan's last row where the engine can
+	// say so, so that the row keeps its place ahead of the rest of the
+	// backlog; pushing it to now would move it behind every row that has
+	// been due for longer.
+	heldAt(recheck string) string
+	// greatest returns the SQL for the later of two times.
+	greatest(a, b string) string
 	// row returns a VALUES row of placeholders typed as given (bigint, text,
 	// integer, timestamptz), for engines that cannot infer them.
 	row(types ...string) string

@@ -131,8 +131,6 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
-func (postgresDialect) greatest() string { return "greatest" }
-
 func (postgresDialect) row(types ...string) string {
 	parts := make([]string, len(types))
 	for i, t := range types {
@@ -146,3 +144,9 @@ func (postgresDialect) rejectsData(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
+
+func (postgresDialect) heldAt(recheck string) string {
+	return "least(" + recheck + ", (SELECT max(cnext) FROM cand) + interval '1 microsecond')"
+}
+
+func (postgresDialect) greatest(a, b string) string { return "greatest(" + a + ", " + b + ")" }

@@ -80,8 +80,6 @@ ON CONFLICT (idempotency_key) DO NOTHING`,
 
 func (sqliteDialect) skipLocked() string { return "" }
 
-func (sqliteDialect) greatest() string { return "max" }
-
 func (sqliteDialect) row(types ...string) string {
 	return "(?" + strings.Repeat(", ?", len(types)-1) + ")"
 }
@@ -90,3 +88,9 @@ func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { r
 
 // rejectsData: SQLite stores any text it is given; encode has checked it.
 func (sqliteDialect) rejectsData(error) bool { return false }
+
+// heldAt: claims on SQLite run one at a time, so a held row's predecessor is
+// in flight in another batch, and a short recheck suffices.
+func (sqliteDialect) heldAt(recheck string) string { return recheck }
+
+func (sqliteDialect) greatest(a, b string) string { return "max(" + a + ", " + b + ")" }

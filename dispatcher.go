@@ -297,10 +297,15 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 // transaction. It scans due rows through the due index in its order
 // (next_attempt_at, id), skipping rows another claim holds locked; keeps
 // those whose undelivered predecessors are all in the same scan; marks them
-// delivering under a fresh batch id and lease; and pushes the others back:
-// until their blocking predecessor's retry time, by the lease when that
-// predecessor is dead-lettered, or by heldRecheck when it is in flight or
-// simply later in the scan.
+// delivering under a fresh batch id and lease; and moves the others, by
+// the state of their first undelivered predecessor outside the scan:
+//   - dead-lettered: by the lease;
+//   - due itself (later in the scan order, or a lease that expired): just
+//     behind it, so that it comes first;
+//   - in flight under a live lease: just past this scan's last row (see
+//     dialect.heldAt), so that they come back with the next claims instead
+//     of behind the whole backlog;
+//   - waiting for a retry: until then.
 //
 // held is MATERIALIZED because the UPDATE reads wait_until four times; an
 // inlined CTE would run the predecessor probe once per read. The first event
@@ -311,15 +316,21 @@ func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []clai
 	short := d.d.timeArg(now.Add(min(d.pollInterval, heldRecheck)))
 	lease := d.d.timeArg(now.Add(d.lease))
 	t := d.t
+	heldAt := d.d.heldAt("?")
 	q := d.d.bind(`WITH cand AS (
-	SELECT id AS cid, aggregate_type AS ctype, aggregate_id AS caid, aggregate_sequence AS cseq
+	SELECT id AS cid, aggregate_type AS ctype, aggregate_id AS caid, aggregate_sequence AS cseq,
+		next_attempt_at AS cnext
 	FROM ` + t.records + `
 	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
 	ORDER BY next_attempt_at, id
 	LIMIT ?` + d.d.skipLocked() + `
 ), held AS MATERIALIZED (
 	SELECT cid, CASE WHEN cseq = 1 THEN NULL ELSE (
-		SELECT CASE p.delivery_state WHEN 'retry' THEN p.next_attempt_at WHEN 'failed' THEN ? ELSE ? END
+		SELECT CASE
+			WHEN p.delivery_state = 'failed' THEN ?
+			WHEN p.next_attempt_at <= ? THEN ` + d.d.greatest("p.next_attempt_at", heldAt) + `
+			WHEN p.delivery_state = 'delivering' THEN ` + heldAt + `
+			ELSE p.next_attempt_at END
 		FROM ` + t.records + ` p
 		WHERE p.aggregate_type = ctype AND p.aggregate_id = caid AND p.aggregate_sequence < cseq
 			AND p.delivery_state <> 'delivered' AND p.id NOT IN (SELECT cid FROM cand)
@@ -332,17 +343,18 @@ UPDATE ` + t.records + ` SET
 	delivery_state = CASE WHEN wait_until IS NULL THEN 'delivering' ELSE delivery_state END,
 	batch_id = CASE WHEN wait_until IS NULL THEN ? ELSE batch_id END,
 	locked_until = CASE WHEN wait_until IS NULL THEN ? ELSE locked_until END,
-	next_attempt_at = CASE WHEN wait_until IS NULL THEN ? ELSE ` + d.d.greatest() + `(wait_until, ?) END,
+	next_attempt_at = CASE WHEN wait_until IS NULL THEN ? ELSE wait_until END,
 	updated_at = ?
 FROM held
 WHERE id = cid
 RETURNING id, batch_id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
 	idempotency_key, payload, headers, occurred_at, delivery_attempts`)
+	ts := d.d.timeArg(now)
 	res, err := d.db.Statement.ConnPool.QueryContext(ctx, q,
-		d.d.timeArg(now), d.batchSize,
-		lease, short,
-		batchID, lease, lease, short,
-		d.d.timeArg(now))
+		ts, d.batchSize,
+		lease, ts, short, short,
+		batchID, lease, lease,
+		ts)
 	if err != nil {
 		return "", nil, 0, fmt.Errorf("outbox: claim: %w", err)
 	}
