@@ -2,6 +2,8 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -362,9 +364,9 @@ RETURNING id, batch_id, event_id, event_type, aggregate_type, aggregate_id, aggr
 	for res.Next() {
 		var (
 			r       claimed
-			batch   nullString
+			batch   sql.NullString
 			payload []byte
-			headers nullString
+			headers sql.NullString
 			at      scanTime
 		)
 		if err := res.Scan(&r.id, &batch, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
@@ -379,7 +381,7 @@ RETURNING id, batch_id, event_id, event_type, aggregate_type, aggregate_id, aggr
 		r.msg.OccurredAt = at.Time
 		r.msg.Attempt = r.attempts + 1
 		if headers.Valid {
-			if err := jsonUnmarshal(headers.String, &r.msg.Headers); err != nil {
+			if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
 				return "", nil, 0, fmt.Errorf("outbox: claim: event %s: headers: %w", r.msg.EventID, err)
 			}
 		}

@@ -1,13 +1,9 @@
 package outbox
 
 import (
-	"database/sql"
-	"encoding/json"
 	"fmt"
 	"time"
 )
-
-type nullString = sql.NullString
 
 // scanTime scans a timestamp whichever way the driver returns it: a
 // time.Time, or the text SQLite stores.
@@ -38,5 +34,3 @@ func (s *scanTime) parse(v string) error {
 	}
 	return fmt.Errorf("outbox: unrecognised timestamp %q", v)
 }
-
-func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }

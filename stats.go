@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"time"
 )
@@ -64,7 +65,7 @@ func (d *Dispatcher) Stats(ctx context.Context) (Stats, error) {
 	}
 	s.OldestDue = oldest.Time
 	if s.Failed > 0 {
-		var last nullString
+		var last sql.NullString
 		if err := d.db.Statement.ConnPool.QueryRowContext(ctx, `SELECT last_error FROM `+d.t.records+
 			` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`).Scan(&last); err != nil {
 			return s, fmt.Errorf("outbox: stats: %w", err)
