@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"strconv"
 	"strings"
@@ -31,26 +32,18 @@ type dialect interface {
 	// ends or the connection fails; it returns errNoListen where the
 	// engine or driver has no notifications.
 	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
-	// skipLocked is the row-locking clause of the claim's candidate scan:
-	// FOR UPDATE SKIP LOCKED where the engine has row locks, nothing where a
-	// write statement holds the whole database.
+	// claim leases up to a.limit due rows as runs (see claim.go) in one
+	// short transaction, and hands the rows that leaseSQL returns to scan
+	// before that transaction ends.
+	claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	// skipLocked is the row-locking clause of a sweep's scan: FOR UPDATE
+	// SKIP LOCKED where the engine has row locks, nothing where a write
+	// statement holds the whole database.
 	skipLocked() string
 	// rejectsData reports whether err is the engine refusing a value (bad
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
 	rejectsData(err error) bool
-	// heldAt is the time a claim gives a row held back behind a predecessor
-	// that is in flight or later in the scan, given the placeholder for
-	// now + heldRecheck: just past the scan's last row where the engine can
-	// say so, so that the row keeps its place ahead of the rest of the
-	// backlog; pushing it to now would move it behind every row that has
-	// been due for longer.
-	heldAt(recheck string) string
-	// greatest returns the SQL for the later of two times.
-	greatest(a, b string) string
-	// row returns a VALUES row of placeholders typed as given (bigint, text,
-	// integer, timestamptz), for engines that cannot infer them.
-	row(types ...string) string
 }
 
 // dialectOf returns the dialect for db's engine.

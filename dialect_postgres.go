@@ -129,24 +129,52 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
-
-func (postgresDialect) row(types ...string) string {
-	parts := make([]string, len(types))
-	for i, t := range types {
-		parts[i] = "?::" + t
+// claim is one statement. Heads are locked with SKIP LOCKED as the nested
+// loop pulls them, so a claim locks only the heads whose runs it takes; a
+// head another claim holds is passed by, and the rows behind it are not
+// heads. Each run is read through the aggregate index in sequence order and
+// locked with SKIP LOCKED too; it ends at the first row that is not due or
+// not the next sequence (a row skipped because it was locked, by a late
+// settle of an expired lease, leaves such a gap), so a run never jumps
+// over an event.
+func (d postgresDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+	now := d.timeArg(a.now)
+	q := bindNumbered(leaseSQL(t, `id IN (
+	SELECT run.id FROM (
+		`+headsSQL(t, `r.id AS hid, r.aggregate_type AS ht, r.aggregate_id AS ha, r.aggregate_sequence AS hs`)+`
+		LIMIT ?
+		FOR UPDATE OF r SKIP LOCKED
+	) h CROSS JOIN LATERAL (
+		SELECT w.id FROM (
+			SELECT l.id,
+				bool_and(l.delivery_state <> 'failed' AND l.next_attempt_at <= ?) OVER (ORDER BY l.aggregate_sequence) AS due,
+				l.aggregate_sequence - h.hs + 1 = row_number() OVER (ORDER BY l.aggregate_sequence) AS next
+			FROM (
+				SELECT x.id, x.aggregate_sequence, x.delivery_state, x.next_attempt_at FROM `+t.records+` x
+				WHERE x.aggregate_type = h.ht AND x.aggregate_id = h.ha AND x.aggregate_sequence >= h.hs
+					AND x.delivery_state <> 'delivered'
+				ORDER BY x.aggregate_sequence
+				LIMIT ?
+				FOR UPDATE OF x SKIP LOCKED
+			) l
+		) w
+		WHERE w.due AND w.next
+	) run
+	LIMIT ?
+)`))
+	args := append(leaseArgs(d, a), now, a.limit, now, a.limit, a.limit)
+	res, err := db.Statement.ConnPool.QueryContext(ctx, q, args...)
+	if err != nil {
+		return err
 	}
-	return "(" + strings.Join(parts, ", ") + ")"
+	defer res.Close()
+	return scan(res)
 }
+
+func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
 // rejectsData: SQLSTATE class 22 is "data exception".
 func (postgresDialect) rejectsData(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
-
-func (postgresDialect) heldAt(recheck string) string {
-	return "least(" + recheck + ", (SELECT max(cnext) FROM cand) + interval '1 microsecond')"
-}
-
-func (postgresDialect) greatest(a, b string) string { return "greatest(" + a + ", " + b + ")" }

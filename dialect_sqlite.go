@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"strings"
 	"time"
 
@@ -80,17 +81,124 @@ ON CONFLICT (idempotency_key) DO NOTHING`,
 
 func (sqliteDialect) skipLocked() string { return "" }
 
-func (sqliteDialect) row(types ...string) string {
-	return "(?" + strings.Repeat(", ?", len(types)-1) + ")"
-}
-
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
 
 // rejectsData: SQLite stores any text it is given; encode has checked it.
 func (sqliteDialect) rejectsData(error) bool { return false }
 
-// heldAt: claims on SQLite run one at a time, so a held row's predecessor is
-// in flight in another batch, and a short recheck suffices.
-func (sqliteDialect) heldAt(recheck string) string { return recheck }
+// claim holds the database's write lock from start to end (BEGIN IMMEDIATE
+// on a connection of its own), so that no other claim or writer runs
+// between reading the runs and leasing them. It reads the heads; takes a
+// head alone when its aggregate has nothing undelivered after it, which is
+// the common case and costs no further query; follows the run of the
+// others, in sequence order until the first row that is not due or not
+// the next sequence; and leases what it picked in one statement.
+func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) (err error) {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return err
+	}
+	conn, err := sqlDB.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	if _, err := conn.ExecContext(ctx, "BEGIN IMMEDIATE"); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
+		}
+	}()
+	ids, err := d.pick(ctx, conn, t, a)
+	if err != nil {
+		return err
+	}
+	if len(ids) > 0 {
+		res, err := conn.QueryContext(ctx, leaseSQL(t, "id IN (?"+strings.Repeat(", ?", len(ids)-1)+")"),
+			append(leaseArgs(d, a), ids...)...)
+		if err != nil {
+			return err
+		}
+		err = scan(res)
+		if cerr := res.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return err
+		}
+	}
+	_, err = conn.ExecContext(ctx, "COMMIT")
+	return err
+}
 
-func (sqliteDialect) greatest(a, b string) string { return "max(" + a + ", " + b + ")" }
+// pick returns the ids of the rows a claim leases, heads in order, each
+// followed by its run.
+func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a claimArgs) ([]any, error) {
+	type head struct {
+		id, seq  int64
+		typ, agg string
+		more     bool
+	}
+	now := d.timeArg(a.now)
+	res, err := conn.QueryContext(ctx, headsSQL(t, `r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence,
+		EXISTS (SELECT 1 FROM `+t.records+` n
+			WHERE n.aggregate_type = r.aggregate_type AND n.aggregate_id = r.aggregate_id
+				AND n.aggregate_sequence > r.aggregate_sequence AND n.delivery_state <> 'delivered')`)+`
+	LIMIT ?`, now, a.limit)
+	if err != nil {
+		return nil, err
+	}
+	var heads []head
+	for res.Next() {
+		var h head
+		if err := res.Scan(&h.id, &h.typ, &h.agg, &h.seq, &h.more); err != nil {
+			res.Close()
+			return nil, err
+		}
+		heads = append(heads, h)
+	}
+	res.Close()
+	if err := res.Err(); err != nil {
+		return nil, err
+	}
+	ids := make([]any, 0, len(heads))
+	for _, h := range heads {
+		if len(ids) == a.limit {
+			break
+		}
+		if !h.more {
+			ids = append(ids, h.id)
+			continue
+		}
+		run, err := conn.QueryContext(ctx, `SELECT id, aggregate_sequence,
+	delivery_state <> 'failed' AND next_attempt_at <= ?
+FROM `+t.records+`
+WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence >= ? AND delivery_state <> 'delivered'
+ORDER BY aggregate_sequence
+LIMIT ?`, now, h.typ, h.agg, h.seq, a.limit-len(ids))
+		if err != nil {
+			return nil, err
+		}
+		for next := h.seq; run.Next(); next++ {
+			var (
+				id, seq int64
+				due     bool
+			)
+			if err := run.Scan(&id, &seq, &due); err != nil {
+				run.Close()
+				return nil, err
+			}
+			if seq != next || !due {
+				break
+			}
+			ids = append(ids, id)
+		}
+		run.Close()
+		if err := run.Err(); err != nil {
+			return nil, err
+		}
+	}
+	return ids, nil
+}

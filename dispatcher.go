@@ -2,16 +2,12 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"sort"
 	"sync/atomic"
 	"time"
 
-	"github.com/google/uuid"
 	"gorm.io/gorm"
 )
 
@@ -34,14 +30,8 @@ const (
 	DefaultMaxAttempts    = 10
 	DefaultRetention      = 7 * 24 * time.Hour
 	DefaultSweepLimit     = 1000
-	// heldRecheck is how soon a row held back behind a predecessor that is
-	// in flight, or simply later in the scan, is looked at again. Short,
-	// because such a predecessor usually settles within milliseconds; a
-	// poll interval here made four dispatchers on one backlog slower than
-	// one (bench: 700 -> 5,000 events/s).
-	heldRecheck  = 25 * time.Millisecond
-	maxBatchSize = 10000
-	maxErrorLen  = 2000
+	maxBatchSize          = 10000
+	maxErrorLen           = 2000
 )
 
 // Dispatcher moves outbox rows to a [Publisher]: it claims due rows,
@@ -83,7 +73,8 @@ type Dispatcher struct {
 	listen         bool
 
 	wake      chan struct{}
-	inProcess atomic.Bool // Run is woken by in-process writes
+	inProcess atomic.Bool  // Run is woken by in-process writes
+	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -257,8 +248,7 @@ type claimed struct {
 
 // DispatchOnce runs one round: it claims up to the batch size of due rows,
 // publishes them as one batch, and settles each row. It returns how many
-// messages were delivered. Rows held back for per-aggregate order are
-// rescheduled, not counted. A settle that finds its lease taken over by
+// messages were delivered. A settle that finds its lease taken over by
 // another dispatcher leaves that row alone.
 //
 // Cancelling ctx abandons the publish (the batch is then retried); the
@@ -270,8 +260,16 @@ func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
 
 func (d *Dispatcher) dispatch(ctx context.Context) (claimedN, delivered int, err error) {
 	batchID, rows, err := d.claim(ctx)
-	if err != nil || len(rows) == 0 {
+	if err != nil {
 		return 0, 0, err
+	}
+	if len(rows) < d.batchSize {
+		if err := d.parkBlocked(ctx); err != nil {
+			return 0, 0, err
+		}
+	}
+	if len(rows) == 0 {
+		return 0, 0, nil
 	}
 	batch := Batch{ID: batchID, Messages: make([]Message, len(rows))}
 	for i, r := range rows {
@@ -280,119 +278,6 @@ func (d *Dispatcher) dispatch(ctx context.Context) (claimedN, delivered int, err
 	pubErr := d.publish(ctx, batch)
 	delivered, err = d.settle(context.WithoutCancel(ctx), batch.ID, rows, pubErr)
 	return len(rows), delivered, err
-}
-
-// claim takes due rows, retrying a few times when everything it looked at
-// was held back for order, so that a crowd of held-back rows cannot stall
-// other aggregates.
-func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
-	for range 8 {
-		batchID, rows, held, err := d.claimOnce(ctx)
-		if err != nil || len(rows) > 0 || held == 0 {
-			return batchID, rows, err
-		}
-	}
-	return "", nil, nil
-}
-
-// claimOnce runs the claim statement: one statement, so one short
-// transaction. It scans due rows through the due index in its order
-// (next_attempt_at, id), skipping rows another claim holds locked; keeps
-// those whose undelivered predecessors are all in the same scan; marks them
-// delivering under a fresh batch id and lease; and moves the others, by
-// the state of their first undelivered predecessor outside the scan:
-//   - dead-lettered: by the lease;
-//   - due itself (later in the scan order, or a lease that expired): just
-//     behind it, so that it comes first;
-//   - in flight under a live lease: just past this scan's last row (see
-//     dialect.heldAt), so that they come back with the next claims instead
-//     of behind the whole backlog;
-//   - waiting for a retry: until then.
-//
-// held is MATERIALIZED because the UPDATE reads wait_until four times; an
-// inlined CTE would run the predecessor probe once per read. The first event
-// of an aggregate has no predecessor to probe for.
-func (d *Dispatcher) claimOnce(ctx context.Context) (batchID string, rows []claimed, held int, err error) {
-	now := time.Now()
-	batchID = uuid.Must(uuid.NewV7()).String()
-	short := d.d.timeArg(now.Add(min(d.pollInterval, heldRecheck)))
-	lease := d.d.timeArg(now.Add(d.lease))
-	t := d.t
-	heldAt := d.d.heldAt("?")
-	q := d.d.bind(`WITH cand AS (
-	SELECT id AS cid, aggregate_type AS ctype, aggregate_id AS caid, aggregate_sequence AS cseq,
-		next_attempt_at AS cnext
-	FROM ` + t.records + `
-	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
-	ORDER BY next_attempt_at, id
-	LIMIT ?` + d.d.skipLocked() + `
-), held AS MATERIALIZED (
-	SELECT cid, CASE WHEN cseq = 1 THEN NULL ELSE (
-		SELECT CASE
-			WHEN p.delivery_state = 'failed' THEN ?
-			WHEN p.next_attempt_at <= ? THEN ` + d.d.greatest("p.next_attempt_at", heldAt) + `
-			WHEN p.delivery_state = 'delivering' THEN ` + heldAt + `
-			ELSE p.next_attempt_at END
-		FROM ` + t.records + ` p
-		WHERE p.aggregate_type = ctype AND p.aggregate_id = caid AND p.aggregate_sequence < cseq
-			AND p.delivery_state <> 'delivered' AND p.id NOT IN (SELECT cid FROM cand)
-		ORDER BY p.aggregate_sequence
-		LIMIT 1
-	) END AS wait_until
-	FROM cand
-)
-UPDATE ` + t.records + ` SET
-	delivery_state = CASE WHEN wait_until IS NULL THEN 'delivering' ELSE delivery_state END,
-	batch_id = CASE WHEN wait_until IS NULL THEN ? ELSE batch_id END,
-	locked_until = CASE WHEN wait_until IS NULL THEN ? ELSE locked_until END,
-	next_attempt_at = CASE WHEN wait_until IS NULL THEN ? ELSE wait_until END,
-	updated_at = ?
-FROM held
-WHERE id = cid
-RETURNING id, batch_id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, occurred_at, delivery_attempts`)
-	ts := d.d.timeArg(now)
-	res, err := d.db.Statement.ConnPool.QueryContext(ctx, q,
-		ts, d.batchSize,
-		lease, ts, short, short,
-		batchID, lease, lease,
-		ts)
-	if err != nil {
-		return "", nil, 0, fmt.Errorf("outbox: claim: %w", err)
-	}
-	defer res.Close()
-	for res.Next() {
-		var (
-			r       claimed
-			batch   sql.NullString
-			payload []byte
-			headers sql.NullString
-			at      scanTime
-		)
-		if err := res.Scan(&r.id, &batch, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
-			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts); err != nil {
-			return "", nil, 0, fmt.Errorf("outbox: claim: scan: %w", err)
-		}
-		if batch.String != batchID {
-			held++
-			continue
-		}
-		r.msg.Payload = payload
-		r.msg.OccurredAt = at.Time
-		r.msg.Attempt = r.attempts + 1
-		if headers.Valid {
-			if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
-				return "", nil, 0, fmt.Errorf("outbox: claim: event %s: headers: %w", r.msg.EventID, err)
-			}
-		}
-		rows = append(rows, r)
-	}
-	if err := res.Err(); err != nil {
-		return "", nil, 0, fmt.Errorf("outbox: claim: %w", err)
-	}
-	// Oldest first; within an aggregate, ids follow sequences.
-	sort.Slice(rows, func(i, j int) bool { return rows[i].id < rows[j].id })
-	return batchID, rows, held, nil
 }
 
 // ErrPublisherPanic is wrapped by the error a batch is retried with when
