@@ -36,6 +36,11 @@ type dialect interface {
 	// short transaction, and hands the rows that leaseSQL returns to scan
 	// before that transaction ends.
 	claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	// idsIn returns the condition that a bigint column is one of ids, to
+	// follow the column's name, and its arguments: one array argument
+	// where the engine has arrays, so that the statement's text and plan
+	// do not change with the number of ids.
+	idsIn(ids []int64) (string, []any)
 	// skipLocked is the row-locking clause of a sweep's scan: FOR UPDATE
 	// SKIP LOCKED where the engine has row locks, nothing where a write
 	// statement holds the whole database.

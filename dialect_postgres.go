@@ -171,6 +171,8 @@ func (d postgresDialect) claim(ctx context.Context, db *gorm.DB, t tables, a cla
 	return scan(res)
 }
 
+func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", []any{ids} }
+
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
 // rejectsData: SQLSTATE class 22 is "data exception".

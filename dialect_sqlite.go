@@ -79,6 +79,14 @@ ON CONFLICT (idempotency_key) DO NOTHING`,
 	return false, releaseSequence(ctx, d, conn, t, e)
 }
 
+func (sqliteDialect) idsIn(ids []int64) (string, []any) {
+	args := make([]any, len(ids))
+	for i, id := range ids {
+		args[i] = id
+	}
+	return "IN (?" + strings.Repeat(", ?", len(ids)-1) + ")", args
+}
+
 func (sqliteDialect) skipLocked() string { return "" }
 
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
@@ -116,8 +124,8 @@ func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claim
 		return err
 	}
 	if len(ids) > 0 {
-		res, err := conn.QueryContext(ctx, leaseSQL(t, "id IN (?"+strings.Repeat(", ?", len(ids)-1)+")"),
-			append(leaseArgs(d, a), ids...)...)
+		in, idArgs := d.idsIn(ids)
+		res, err := conn.QueryContext(ctx, leaseSQL(t, "id "+in), append(leaseArgs(d, a), idArgs...)...)
 		if err != nil {
 			return err
 		}
@@ -135,7 +143,7 @@ func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claim
 
 // pick returns the ids of the rows a claim leases, heads in order, each
 // followed by its run.
-func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a claimArgs) ([]any, error) {
+func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a claimArgs) ([]int64, error) {
 	type head struct {
 		id, seq  int64
 		typ, agg string
@@ -163,7 +171,7 @@ func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a cla
 	if err := res.Err(); err != nil {
 		return nil, err
 	}
-	ids := make([]any, 0, len(heads))
+	ids := make([]int64, 0, len(heads))
 	for _, h := range heads {
 		if len(ids) == a.limit {
 			break

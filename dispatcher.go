@@ -50,7 +50,15 @@ const (
 // a publisher never receives sequence n+1 before sequence n was accepted.
 // A dead-lettered (failed) message therefore holds back the later messages
 // of its own aggregate, and of no other, until [Dispatcher.RetryFailed]
-// brings it back and it is delivered, or an operator deletes its row.
+// brings it back and it is delivered, or an operator deletes its row. The
+// later messages are parked meanwhile and looked at again once per lease,
+// so they follow within a lease of that.
+//
+// A claim takes runs: from the aggregates whose next undelivered message
+// has waited longest, each one's consecutive due messages in sequence
+// order, until the batch is full. Dispatchers sharing a backlog therefore
+// split it by aggregate; an aggregate with a deep backlog may fill a batch
+// on its own, delaying a fresher aggregate by at most that batch.
 //
 // The table name is taken from the outbox plugin registered on the
 // *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for

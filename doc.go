@@ -48,6 +48,12 @@
 // was accepted; a dead-lettered event holds back the rest of its own
 // aggregate, and of no other, until it is retried.
 //
+// A claim takes runs, not single rows: from the aggregates whose next
+// undelivered event has waited longest, each one's consecutive due events
+// in sequence order, until the batch is full. While a run is leased no
+// other dispatcher can start on its aggregate, so dispatchers sharing a
+// backlog split it by aggregate and never wait on each other's rows.
+//
 // [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
 // dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3
 // schedule. Publishers shipped with the library: [Handlers] for in-process

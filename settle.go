@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 )
 
@@ -19,7 +18,7 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 	now := time.Now()
 	outcomes := d.outcomes(rows, pubErr)
 	var (
-		groups    = map[settleKey][]any{}
+		groups    = map[settleKey][]int64{}
 		order     []settleKey
 		delivered int
 		failed    int
@@ -98,7 +97,7 @@ type settleKey struct {
 // settleGroup applies one outcome to the rows ids, by primary key (the
 // planner answers an IN list with the primary key index whatever it thinks
 // of batch_id), and returns how many it updated.
-func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []any, now time.Time) (int, error) {
+func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []int64, now time.Time) (int, error) {
 	args := []any{k.state, k.attempts, d.d.timeArg(k.next)}
 	lastErr := "last_error" // not attempted: keep the reason of the last failure
 	switch {
@@ -113,12 +112,13 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 		deliveredAt = d.d.timeArg(now)
 	}
 	args = append(args, deliveredAt, d.d.timeArg(now))
-	args = append(args, ids...)
+	in, idArgs := d.d.idsIn(ids)
+	args = append(args, idArgs...)
 	args = append(args, batchID)
 	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
 	delivery_state = ?, delivery_attempts = ?, next_attempt_at = ?, last_error = `+lastErr+`,
 	locked_until = NULL, delivered_at = ?, updated_at = ?
-WHERE id IN (?`+strings.Repeat(", ?", len(ids)-1)+`) AND batch_id = ? AND delivery_state = 'delivering'`), args...)
+WHERE id `+in+` AND batch_id = ? AND delivery_state = 'delivering'`), args...)
 	if err != nil {
 		return 0, err
 	}
