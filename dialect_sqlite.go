@@ -142,15 +142,22 @@ func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claim
 }
 
 // pick returns the ids of the rows a claim leases, heads in order, each
-// followed by its run.
-func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a claimArgs) ([]int64, error) {
-	type head struct {
-		id, seq  int64
-		typ, agg string
-		more     bool
-	}
+// followed by its run. It reads heads lazily, following each run while the
+// heads' cursor stays open, so that it stops scanning once the batch is
+// full.
+func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a claimArgs) (ids []int64, err error) {
 	now := d.timeArg(a.now)
-	res, err := conn.QueryContext(ctx, headsSQL(t, `r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence,
+	runs, err := conn.PrepareContext(ctx, `SELECT id, aggregate_sequence,
+	delivery_state <> 'failed' AND next_attempt_at <= ?
+FROM `+t.records+`
+WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence >= ? AND delivery_state <> 'delivered'
+ORDER BY aggregate_sequence
+LIMIT ?`)
+	if err != nil {
+		return nil, err
+	}
+	defer runs.Close()
+	heads, err := conn.QueryContext(ctx, headsSQL(t, `r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence,
 		EXISTS (SELECT 1 FROM `+t.records+` n
 			WHERE n.aggregate_type = r.aggregate_type AND n.aggregate_id = r.aggregate_id
 				AND n.aggregate_sequence > r.aggregate_sequence AND n.delivery_state <> 'delivered')`)+`
@@ -158,55 +165,47 @@ func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a cla
 	if err != nil {
 		return nil, err
 	}
-	var heads []head
-	for res.Next() {
-		var h head
-		if err := res.Scan(&h.id, &h.typ, &h.agg, &h.seq, &h.more); err != nil {
-			res.Close()
+	defer heads.Close()
+	for len(ids) < a.limit && heads.Next() {
+		var (
+			id, seq  int64
+			typ, agg string
+			more     bool
+		)
+		if err := heads.Scan(&id, &typ, &agg, &seq, &more); err != nil {
 			return nil, err
 		}
-		heads = append(heads, h)
-	}
-	res.Close()
-	if err := res.Err(); err != nil {
-		return nil, err
-	}
-	ids := make([]int64, 0, len(heads))
-	for _, h := range heads {
-		if len(ids) == a.limit {
-			break
-		}
-		if !h.more {
-			ids = append(ids, h.id)
+		if !more {
+			ids = append(ids, id)
 			continue
 		}
-		run, err := conn.QueryContext(ctx, `SELECT id, aggregate_sequence,
-	delivery_state <> 'failed' AND next_attempt_at <= ?
-FROM `+t.records+`
-WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence >= ? AND delivery_state <> 'delivered'
-ORDER BY aggregate_sequence
-LIMIT ?`, now, h.typ, h.agg, h.seq, a.limit-len(ids))
-		if err != nil {
-			return nil, err
-		}
-		for next := h.seq; run.Next(); next++ {
-			var (
-				id, seq int64
-				due     bool
-			)
-			if err := run.Scan(&id, &seq, &due); err != nil {
-				run.Close()
-				return nil, err
-			}
-			if seq != next || !due {
-				break
-			}
-			ids = append(ids, id)
-		}
-		run.Close()
-		if err := run.Err(); err != nil {
+		if ids, err = followRun(ctx, runs, ids, a.limit, now, typ, agg, seq); err != nil {
 			return nil, err
 		}
 	}
-	return ids, nil
+	return ids, heads.Err()
+}
+
+// followRun appends to ids the run that starts at sequence seq of the
+// aggregate, up to limit ids in all.
+func followRun(ctx context.Context, runs *sql.Stmt, ids []int64, limit int, now any, typ, agg string, seq int64) ([]int64, error) {
+	run, err := runs.QueryContext(ctx, now, typ, agg, seq, limit-len(ids))
+	if err != nil {
+		return nil, err
+	}
+	defer run.Close()
+	for next := seq; run.Next(); next++ {
+		var (
+			id, got int64
+			due     bool
+		)
+		if err := run.Scan(&id, &got, &due); err != nil {
+			return nil, err
+		}
+		if got != next || !due {
+			break
+		}
+		ids = append(ids, id)
+	}
+	return ids, run.Err()
 }
