@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
+	"fmt"
 	"hash/fnv"
 	"strconv"
 	"strings"
@@ -103,6 +104,11 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	sqlDB, err := db.DB()
 	if err != nil {
 		return errNoListen
+	}
+	if sqlDB.Stats().MaxOpenConnections == 1 {
+		// Listening would hold the pool's only connection, and every claim
+		// would wait for it forever.
+		return fmt.Errorf("%w: the pool has a single connection (SetMaxOpenConns(1))", errNoListen)
 	}
 	conn, err := sqlDB.Conn(ctx)
 	if err != nil {

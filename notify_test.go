@@ -137,3 +137,34 @@ func listenConn(t *testing.T, dsn string) *pgx.Conn {
 	mustNil(t, err)
 	return conn
 }
+
+func TestRunOnASingleConnectionPoolPollsInsteadOfListening(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	dispatcherDB := outboxtest.Reopen(t, b.info, nil)
+	sqlDB, err := dispatcherDB.DB()
+	mustNil(t, err)
+	sqlDB.SetMaxOpenConns(1)
+	got := make(chan outbox.Message, 1)
+	d := newDispatcher(t, dispatcherDB, outbox.PublisherFunc(func(_ context.Context, batch outbox.Batch) error {
+		got <- batch.Messages[0]
+		return nil
+	}), outbox.WithPollInterval(20*time.Millisecond))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	defer func() {
+		cancel()
+		select {
+		case err := <-done:
+			mustNil(t, err)
+		case <-time.After(10 * time.Second):
+			t.Error("Run did not stop: a claim waits for the pool's only connection")
+		}
+	}()
+	mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1"}))
+	select {
+	case <-got:
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing dispatched: a listener holds the pool's only connection")
+	}
+}
