@@ -44,37 +44,36 @@ func TestClaimTakesRunsOfTheOldestHeadsFirst(t *testing.T) {
 	})
 }
 
-func TestRunEndsAtTheFirstEventNotDue(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		publishN(t, b.db, "a", 4)
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 3`,
-			time.Now().Add(time.Hour).UTC()).Error)
-		rec := &recorder{}
-		d := newDispatcher(t, b.db, rec)
-		dispatch(t, d)
-		dispatch(t, d)
-		if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 a#2]]" {
-			t.Fatalf("batches %s, want a#1 and a#2 only: a#3 waits for its retry and a#4 behind it", got)
-		}
-	})
-}
-
-func TestRunNeverJumpsOverAMissingSequence(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		publishN(t, b.db, "a", 3)
-		// a#2 was accepted out of turn in an earlier partial batch.
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_sequence = 2`,
-			time.Now().UTC()).Error)
-		rec := &recorder{}
-		d := newDispatcher(t, b.db, rec)
-		dispatch(t, d)
-		dispatch(t, d)
-		if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1] [a#3]]" {
-			t.Fatalf("batches %s, want a run to stop at the gap and the next claim to go on from a#3", got)
-		}
-	})
+func TestRunStopsWhereOrderWouldBreak(t *testing.T) {
+	for _, tc := range []struct {
+		name, change, want string
+	}{
+		{
+			name:   "at the first event not due",
+			change: `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 3`,
+			want:   "[[a#1 a#2]]", // a#3 waits for its retry, a#4 behind it
+		},
+		{
+			name:   "at a missing sequence",
+			change: `UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_sequence = 3`,
+			want:   "[[a#1 a#2] [a#4]]", // a#3 was accepted out of turn in an earlier partial batch
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				publishN(t, b.db, "a", 4)
+				mustNil(t, b.db.Exec(tc.change, time.Now().Add(time.Hour).UTC()).Error)
+				rec := &recorder{}
+				d := newDispatcher(t, b.db, rec)
+				dispatch(t, d)
+				dispatch(t, d)
+				if got := fmt.Sprint(rec.batchIDs()); got != tc.want {
+					t.Fatalf("batches %s, want %s", got, tc.want)
+				}
+			})
+		})
+	}
 }
 
 func TestDispatchersSplitABacklogByAggregate(t *testing.T) {
