@@ -51,18 +51,33 @@ func dueSQL(a string) string {
 
 // headsSQL selects heads oldest first: due rows with no undelivered
 // predecessor in their aggregate (the first event of an aggregate has none
-// to look for). Arguments: now. The caller appends ORDER BY, LIMIT and any
-// row-locking clause; the table alias is r.
+// to look for), among the first window due rows. The window bounds what a
+// claim steps over: rows behind a run in flight stay due, and without it a
+// claim would look at every one of them (a deep aggregate whose run is in
+// flight made every other dispatcher's claim read all its rows). Heads
+// beyond the window wait for the rows in it to move. Arguments: now,
+// window, now. The table alias of the result is r; the caller appends
+// LIMIT and any row-locking clause.
 func headsSQL(t tables, columns string) string {
 	return `SELECT ` + columns + `
-	FROM ` + t.records + ` r
+	FROM (
+		SELECT c.id AS wid, c.next_attempt_at AS wnext FROM ` + t.records + ` c
+		WHERE ` + dueSQL("c") + `
+		ORDER BY c.next_attempt_at, c.id
+		LIMIT ?
+	) w JOIN ` + t.records + ` r ON r.id = w.wid
 	WHERE ` + dueSQL("r") + `
 		AND (r.aggregate_sequence = 1 OR NOT EXISTS (
 			SELECT 1 FROM ` + t.records + ` p
 			WHERE p.aggregate_type = r.aggregate_type AND p.aggregate_id = r.aggregate_id
 				AND p.aggregate_sequence < r.aggregate_sequence AND p.delivery_state <> 'delivered'))
-	ORDER BY r.next_attempt_at, r.id`
+	ORDER BY w.wnext, w.wid`
 }
+
+// scanWindow is how many due rows a claim of n looks at for heads, and
+// parkBlocked for rows to park: enough to pass by the runs several other
+// dispatchers hold.
+func scanWindow(n int) int { return max(4*n, 1000) }
 
 // leaseSQL is the UPDATE that leases the picked rows, given the condition
 // that names them, and returns what a Message needs. Its arguments are
@@ -133,17 +148,18 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 // looked at again after a lease). Rows behind a head that is in flight are
 // left alone: it settles within the publish timeout.
 //
-// It looks at most at the first parkScan due rows, and runs at most once
-// per poll interval per dispatcher, after a claim that did not fill its
-// batch: in normal operation it finds nothing, and costs one short scan.
-func (d *Dispatcher) parkBlocked(ctx context.Context) error {
+// It looks at the same window of due rows as a claim, and runs at most once
+// per poll interval per dispatcher, after a batch that was not full: in
+// normal operation it finds nothing, and costs one short scan. It is an
+// optimisation, so it never fails a dispatch: an error is logged.
+func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	now := time.Now()
 	last := d.lastPark.Load()
 	if last != 0 && now.Sub(time.Unix(0, last)) < d.pollInterval {
-		return nil
+		return
 	}
 	if !d.lastPark.CompareAndSwap(last, now.UnixNano()) {
-		return nil
+		return
 	}
 	t := d.t
 	ts := d.d.timeArg(now)
@@ -168,12 +184,8 @@ UPDATE `+t.records+` SET next_attempt_at = blocker.until, updated_at = ?
 FROM blocker
 WHERE aggregate_type = bt AND aggregate_id = ba AND aggregate_sequence > hs
 	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < blocker.until`),
-		ts, max(d.batchSize, parkScan), d.d.timeArg(now.Add(d.lease)), ts, ts)
+		ts, scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)), ts, ts)
 	if err != nil {
-		return fmt.Errorf("outbox: park rows behind waiting events: %w", err)
+		d.log.Warn("outbox: could not park the rows behind events that wait; claims step over them meanwhile", "error", err)
 	}
-	return nil
 }
-
-// parkScan is the least number of due rows parkBlocked looks at.
-const parkScan = 1000

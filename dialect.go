@@ -33,8 +33,10 @@ type dialect interface {
 	// engine or driver has no notifications.
 	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
 	// claim leases up to a.limit due rows as runs (see claim.go) in one
-	// short transaction, and hands the rows that leaseSQL returns to scan
-	// before that transaction ends.
+	// short transaction, and hands the rows that leaseSQL returns to scan.
+	// On PostgreSQL the lease has committed by then, so rows that scan
+	// fails on stay leased until their lease passes; on SQLite a scan error
+	// rolls the claim back.
 	claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 	// idsIn returns the condition that a bigint column is one of ids, to
 	// follow the column's name, and its arguments: one array argument

@@ -138,14 +138,34 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 // claim is one statement. Heads are locked with SKIP LOCKED as the nested
 // loop pulls them, so a claim locks only the heads whose runs it takes; a
 // head another claim holds is passed by, and the rows behind it are not
-// heads. Each run is read through the aggregate index in sequence order and
-// locked with SKIP LOCKED too; it ends at the first row that is not due or
-// not the next sequence (a row skipped because it was locked, by a late
-// settle of an expired lease, leaves such a gap), so a run never jumps
-// over an event.
+// heads. Each run is read through the aggregate index in sequence order,
+// up to the batch size, and locked with SKIP LOCKED too (all of them: the
+// sort that the window needs after the lock reads the whole subquery); it
+// ends at the first row that is not due or not the next sequence, and a row
+// skipped because it was locked, by a late settle of an expired lease,
+// leaves such a gap, so a run never jumps over an event.
+//
+// The outer LIMIT keeps the first rows the nested loop yields: heads in
+// order, each followed by its run in sequence order, so the cut falls at
+// the end of a run and leaves a prefix of it. PostgreSQL runs a LATERAL
+// subquery with its own LIMIT only as the inner side of a nested loop, and
+// never in parallel under UPDATE, so no other plan can reorder those rows.
 func (d postgresDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	now := d.timeArg(a.now)
-	q := bindNumbered(leaseSQL(t, `id IN (
+	args := append(leaseArgs(d, a), now, scanWindow(a.limit), now, a.limit, now, a.limit, a.limit)
+	res, err := db.Statement.ConnPool.QueryContext(ctx, claimSQL(t), args...)
+	if err != nil {
+		return err
+	}
+	defer res.Close()
+	return scan(res)
+}
+
+// claimSQL is the claim statement. Its arguments: those of leaseSQL, then
+// now, scan window, now (heads), batch size (heads), now (runs), batch size
+// (each run), batch size (the batch).
+func claimSQL(t tables) string {
+	return bindNumbered(leaseSQL(t, `id IN (
 	SELECT run.id FROM (
 		`+headsSQL(t, `r.id AS hid, r.aggregate_type AS ht, r.aggregate_id AS ha, r.aggregate_sequence AS hs`)+`
 		LIMIT ?
@@ -168,13 +188,6 @@ func (d postgresDialect) claim(ctx context.Context, db *gorm.DB, t tables, a cla
 	) run
 	LIMIT ?
 )`))
-	args := append(leaseArgs(d, a), now, a.limit, now, a.limit, a.limit)
-	res, err := db.Statement.ConnPool.QueryContext(ctx, q, args...)
-	if err != nil {
-		return err
-	}
-	defer res.Close()
-	return scan(res)
 }
 
 func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", []any{ids} }

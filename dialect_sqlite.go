@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"strings"
 	"time"
 
@@ -115,8 +116,13 @@ func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claim
 		return err
 	}
 	defer func() {
-		if err != nil {
-			_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
+		if err == nil {
+			return
+		}
+		if _, rerr := conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK"); rerr != nil {
+			// A connection that may still be inside the transaction must
+			// not go back to the pool, holding the write lock.
+			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
 		}
 	}()
 	ids, err := d.pick(ctx, conn, t, a)
@@ -161,7 +167,7 @@ LIMIT ?`)
 		EXISTS (SELECT 1 FROM `+t.records+` n
 			WHERE n.aggregate_type = r.aggregate_type AND n.aggregate_id = r.aggregate_id
 				AND n.aggregate_sequence > r.aggregate_sequence AND n.delivery_state <> 'delivered')`)+`
-	LIMIT ?`, now, a.limit)
+	LIMIT ?`, now, scanWindow(a.limit), now, a.limit)
 	if err != nil {
 		return nil, err
 	}

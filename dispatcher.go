@@ -272,9 +272,8 @@ func (d *Dispatcher) dispatch(ctx context.Context) (claimedN, delivered int, err
 		return 0, 0, err
 	}
 	if len(rows) < d.batchSize {
-		if err := d.parkBlocked(ctx); err != nil {
-			return 0, 0, err
-		}
+		// After the settle, so that a batch it holds is never stranded.
+		defer d.parkBlocked(context.WithoutCancel(ctx))
 	}
 	if len(rows) == 0 {
 		return 0, 0, nil

@@ -52,7 +52,8 @@
 // undelivered event has waited longest, each one's consecutive due events
 // in sequence order, until the batch is full. While a run is leased no
 // other dispatcher can start on its aggregate, so dispatchers sharing a
-// backlog split it by aggregate and never wait on each other's rows.
+// backlog split it by aggregate instead of holding back each other's rows
+// (on SQLite their claims also take turns on the write lock).
 //
 // [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
 // dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3

@@ -14,8 +14,9 @@ var errNoListen = errors.New("outbox: notifications not supported here")
 // dispatches at once, instead of only polling (default true). Listening
 // holds one connection of the *gorm.DB's pool for the lifetime of Run and
 // reconnects by itself when it drops; the poll interval stays as a
-// fallback. A pool limited to one connection is never listened on, since
-// listening would hold the connection every claim needs. On SQLite, or with a driver other than pgx, Run is woken
+// fallback. Give the pool at least one connection more than the Runs that
+// listen on it; a pool limited to one connection is never listened on,
+// since listening would hold the connection every claim needs. On SQLite, or with a driver other than pgx, Run is woken
 // in-process instead, by writes through the plugin registered on the same
 // *gorm.DB.
 func WithListen(enabled bool) DispatcherOption {
