@@ -27,11 +27,13 @@ import (
 // overlapping windows of rows, and a claim writes exactly the rows it
 // leases.
 //
-// Rows that are due but not heads (the later events of an aggregate whose
-// head waits for a retry or was dead-lettered) are stepped over by the
-// head scan. parkBlocked moves them out of the due range until their head
-// can move, so that a long outage does not leave every claim stepping over
-// everything that arrived during it.
+// Rows that are due but not heads are stepped over by the head scan, which
+// looks at a bounded window of due rows (scanWindow). Those behind a run in
+// flight stay: it settles within the publish timeout. Those behind a head
+// that waits for a retry or was dead-lettered are moved out of the due
+// range by parkBlocked until their head can move, so that a long outage
+// does not fill every claim's window with everything that arrived during
+// it.
 
 // claimArgs are the values one claim works with.
 type claimArgs struct {
