@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"gorm.io/gorm"
+
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
@@ -26,13 +28,21 @@ func (r *recorder) batchIDs() [][]string {
 	return out
 }
 
+// publishInterleaved publishes n events to each aggregate, taking turns:
+// a#1 b#1 a#2 b#2 ...
+func publishInterleaved(t *testing.T, db *gorm.DB, n int, aggregates ...string) {
+	t.Helper()
+	for range n {
+		for _, a := range aggregates {
+			publishN(t, db, a, 1)
+		}
+	}
+}
+
 func TestClaimTakesRunsOfTheOldestHeadsFirst(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
-		for range 3 {
-			publishN(t, b.db, "a", 1)
-			publishN(t, b.db, "b", 1)
-		}
+		publishInterleaved(t, b.db, 3, "a", "b")
 		rec := &recorder{}
 		d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
 		dispatch(t, d)
@@ -79,10 +89,7 @@ func TestRunStopsWhereOrderWouldBreak(t *testing.T) {
 func TestDispatchersSplitABacklogByAggregate(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
-		for range 3 {
-			publishN(t, b.db, "a", 1)
-			publishN(t, b.db, "b", 1)
-		}
+		publishInterleaved(t, b.db, 3, "a", "b")
 		// The first dispatcher claims a's run and holds it in its publisher.
 		inFlight, release := make(chan struct{}), make(chan struct{})
 		var once sync.Once
