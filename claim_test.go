@@ -101,7 +101,11 @@ func TestDispatchersSplitABacklogByAggregate(t *testing.T) {
 		first := newDispatcher(t, b.db, slow, outbox.WithBatchSize(3))
 		done := make(chan error, 1)
 		go func() { _, err := first.DispatchOnce(context.Background()); done <- err }()
-		<-inFlight
+		select {
+		case <-inFlight:
+		case err := <-done:
+			t.Fatalf("the first dispatcher published nothing: %v", err)
+		}
 
 		// The second takes b's run meanwhile, and nothing of a's.
 		rec := &recorder{}
