@@ -146,8 +146,9 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 // parkBlocked moves the due rows stepped over by the head scan, those
 // behind a head that waits for a retry or was dead-lettered, to when that
 // head can move: the retry's time, or one lease from now for a
-// dead-lettered head (it comes back only through RetryFailed, so it is
-// looked at again after a lease). Rows behind a head that is in flight are
+// dead-lettered head (it comes back only through RetryFailed, which makes
+// the pending rows behind it due again; the lease bounds the wait if it
+// comes back some other way). Rows behind a head that is in flight are
 // left alone: it settles within the publish timeout.
 //
 // It looks at the same window of due rows as a claim, and runs at most once

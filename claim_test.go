@@ -140,3 +140,21 @@ func TestEventsBehindADeadLetterAreParkedForALease(t *testing.T) {
 		}
 	})
 }
+
+func TestRetryFailedReleasesTheEventsParkedBehindIt(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "poison", 3)
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_sequence = 1`).Error)
+		rec := &recorder{}
+		d := newDispatcher(t, b.db, rec, outbox.WithLease(time.Hour))
+		dispatch(t, d) // parks poison#2 and #3 for the hour-long lease
+		if n, err := d.RetryFailed(context.Background()); err != nil || n != 1 {
+			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
+		}
+		dispatch(t, d)
+		if got := fmt.Sprint(rec.batchIDs()); got != "[[poison#1 poison#2 poison#3]]" {
+			t.Fatalf("batches %s, want the revived event and the two parked behind it at once", got)
+		}
+	})
+}

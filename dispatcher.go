@@ -51,8 +51,8 @@ const (
 // A dead-lettered (failed) message therefore holds back the later messages
 // of its own aggregate, and of no other, until [Dispatcher.RetryFailed]
 // brings it back and it is delivered, or an operator deletes its row. The
-// later messages are parked meanwhile and looked at again once per lease,
-// so they follow within a lease of that.
+// later messages are parked meanwhile, looked at again once per lease, and
+// made due at once when RetryFailed brings their dead letter back.
 //
 // A claim takes runs: from the aggregates whose next undelivered message
 // has waited longest, each one's consecutive due messages in sequence

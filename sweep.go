@@ -23,7 +23,8 @@ type RetryFilter struct {
 // RetryFailed is the retry_failed sweep: it moves up to the sweep limit of
 // dead-lettered (failed) rows, oldest failure first, back to pending with
 // their attempt count reset, and returns how many it moved. Their
-// last_error is kept until they are delivered.
+// last_error is kept until they are delivered. The pending events parked
+// behind them are made due at once.
 func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
 	return d.RetryFailedWhere(ctx, RetryFilter{})
 }
@@ -49,21 +50,56 @@ func (d *Dispatcher) RetryFailedWhere(ctx context.Context, f RetryFilter) (int, 
 	}
 	ts := d.d.timeArg(now)
 	args = append([]any{ts, ts}, append(args, limit)...)
-	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
+	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
 	delivery_state = 'pending', delivery_attempts = 0, next_attempt_at = ?, updated_at = ?,
 	locked_until = NULL, batch_id = NULL
 WHERE id IN (
 	SELECT id FROM `+d.t.records+` WHERE `+strings.Join(where, " AND ")+`
 	ORDER BY updated_at, id LIMIT ?`+d.d.skipLocked()+`
-)`), args...)
+)
+RETURNING aggregate_type, aggregate_id`), args...)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry failed: %w", err)
 	}
-	n, err := res.RowsAffected()
+	n := 0
+	revived := map[[2]string]bool{}
+	for res.Next() {
+		var agg [2]string
+		if err := res.Scan(&agg[0], &agg[1]); err != nil {
+			res.Close()
+			return n, fmt.Errorf("outbox: retry failed: %w", err)
+		}
+		revived[agg] = true
+		n++
+	}
+	res.Close()
+	if err := res.Err(); err != nil {
+		return n, fmt.Errorf("outbox: retry failed: %w", err)
+	}
 	if n > 0 {
 		d.log.Info("outbox: dead-lettered messages back to pending", "count", n)
+		d.unpark(ctx, revived, now)
 	}
-	return int(n), err
+	return n, nil
+}
+
+// unpark makes the pending events of the revived aggregates due now: they
+// were parked behind the dead letter (see parkBlocked) and would otherwise
+// wait up to a lease. It is an optimisation, so an error is only logged.
+func (d *Dispatcher) unpark(ctx context.Context, aggregates map[[2]string]bool, now time.Time) {
+	ts := d.d.timeArg(now)
+	args := []any{ts, ts, ts}
+	rows := make([]string, 0, len(aggregates))
+	for agg := range aggregates {
+		rows = append(rows, "(?, ?)")
+		args = append(args, agg[0], agg[1])
+	}
+	_, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
+WHERE delivery_state = 'pending' AND next_attempt_at > ?
+	AND (aggregate_type, aggregate_id) IN (VALUES `+strings.Join(rows, ", ")+`)`), args...)
+	if err != nil {
+		d.log.Warn("outbox: could not release the events parked behind revived dead letters; they follow within a lease", "error", err)
+	}
 }
 
 // Cleanup deletes delivered rows whose delivered_at is older than the
