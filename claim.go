@@ -21,8 +21,9 @@ import (
 //
 // Order per aggregate follows without anything else to check: a row that
 // is not a head is claimable only as part of its head's run, and a run is
-// leased as a whole, so while one dispatcher holds an aggregate's run no
-// other dispatcher sees a head for that aggregate. Dispatchers working on
+// leased in one statement (a full batch may end inside it, and the rest is
+// a later run), so while one dispatcher holds an aggregate's run no other
+// dispatcher sees a head for that aggregate. Dispatchers working on
 // one backlog therefore split it by aggregate instead of colliding on
 // overlapping windows of rows, and a claim writes exactly the rows it
 // leases.
