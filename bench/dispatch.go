@@ -258,16 +258,7 @@ func pgOutboxDrainOnce(ctx context.Context, e *env, label string, n, aggregates 
 	if err := e.settle(ctx, sqlDB, "outbox_records", "outbox_records_sequences"); err != nil {
 		return drainResult{}, err
 	}
-	res, err := fn(ctx, s)
-	if err != nil {
-		return drainResult{}, err
-	}
-	if !res.timedOut {
-		if err := checkDrained(ctx, sqlDB); err != nil {
-			return drainResult{}, err
-		}
-	}
-	return res, nil
+	return drainChecked(ctx, sqlDB, func() (drainResult, error) { return fn(ctx, s) })
 }
 
 // sqliteDrain loads a backlog into the outbox table of a fresh SQLite file
@@ -293,12 +284,18 @@ func sqliteDrain(ctx context.Context, e *env, c config, fn func(context.Context,
 	if _, err := sqlDB.ExecContext(ctx, `ANALYZE`); err != nil {
 		return drainResult{}, err
 	}
-	res, err := fn(ctx, dsn)
+	return drainChecked(ctx, sqlDB, func() (drainResult, error) { return fn(ctx, dsn) })
+}
+
+// drainChecked runs drain and, unless it timed out, checks that it left
+// nothing undelivered in db.
+func drainChecked(ctx context.Context, db *sql.DB, drain func() (drainResult, error)) (drainResult, error) {
+	res, err := drain()
 	if err != nil {
 		return drainResult{}, err
 	}
 	if !res.timedOut {
-		if err := checkDrained(ctx, sqlDB); err != nil {
+		if err := checkDrained(ctx, db); err != nil {
 			return drainResult{}, err
 		}
 	}
