@@ -39,6 +39,14 @@ func publishInterleaved(t *testing.T, db *gorm.DB, n int, aggregates ...string) 
 	}
 }
 
+// deadLetterFirstOf publishes n events to aggregate and dead-letters the
+// first.
+func deadLetterFirstOf(t *testing.T, b bundle, aggregate string, n int) {
+	t.Helper()
+	publishN(t, b.db, aggregate, n)
+	mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_id = ? AND aggregate_sequence = 1`, aggregate).Error)
+}
+
 func TestClaimTakesRunsOfTheOldestHeadsFirst(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
@@ -123,8 +131,7 @@ func TestDispatchersSplitABacklogByAggregate(t *testing.T) {
 func TestEventsBehindADeadLetterAreParkedForALease(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
-		publishN(t, b.db, "poison", 3)
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_sequence = 1`).Error)
+		deadLetterFirstOf(t, b, "poison", 3)
 		rec := &recorder{}
 		lease := time.Hour
 		d := newDispatcher(t, b.db, rec, outbox.WithLease(lease))
@@ -144,8 +151,7 @@ func TestEventsBehindADeadLetterAreParkedForALease(t *testing.T) {
 func TestRetryFailedReleasesTheEventsParkedBehindIt(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
-		publishN(t, b.db, "poison", 3)
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_sequence = 1`).Error)
+		deadLetterFirstOf(t, b, "poison", 3)
 		rec := &recorder{}
 		d := newDispatcher(t, b.db, rec, outbox.WithLease(time.Hour))
 		dispatch(t, d) // parks poison#2 and #3 for the hour-long lease
