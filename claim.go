@@ -11,30 +11,41 @@ import (
 	"github.com/google/uuid"
 )
 
-// The claim takes runs, not rows. A run is the due prefix of one
-// aggregate's undelivered events: it starts at the aggregate's head (its
-// first undelivered event) and goes on in sequence order, without gaps, up
-// to the first event that is not due (waiting for a retry, in flight,
-// dead-lettered). The claim picks heads oldest first, through the due index
-// in its order (next_attempt_at, id), and takes each head's run until the
-// batch is full.
+// A claim takes the oldest due events that keep order, and passes by the
+// aggregates other dispatchers hold by taking runs.
 //
-// Order per aggregate follows without anything else to check: a row that
-// is not a head is claimable only as part of its head's run, and a run is
-// leased in one statement (a full batch may end inside it, and the rest is
-// a later run), so while one dispatcher holds an aggregate's run no other
-// dispatcher sees a head for that aggregate. Dispatchers working on
-// one backlog therefore split it by aggregate instead of colliding on
-// overlapping windows of rows, and a claim writes exactly the rows it
-// leases.
+// Oldest first. The claim looks at the batch size of oldest due rows, in
+// the due index's order (next_attempt_at, id), and leases those that keep
+// each aggregate's order: per aggregate, the rows from its first one in
+// the window on, in sequence order without a gap, provided nothing
+// undelivered comes before that first one (one probe per aggregate, not
+// per row). A dispatcher working alone on a backlog thus takes its rows in
+// the order they were written, which keeps a batch on a few neighbouring
+// pages of the table and its indexes: on a backlog bigger than the
+// database's cache, that is what keeps a claim as cheap as a plain
+// oldest-rows loop.
 //
-// Rows that are due but not heads are stepped over by the head scan, which
-// looks at a bounded window of due rows (scanWindow). Those behind a run in
-// flight stay: it settles within the publish timeout. Those behind a head
-// that waits for a retry or was dead-lettered are moved out of the due
-// range by parkBlocked until their head can move, so that a long outage
-// does not fill every claim's window with everything that arrived during
-// it.
+// Runs. When other dispatchers hold the aggregates of the oldest events,
+// most of that window is not theirs to take. A claim that leased less than
+// half a batch out of a full window therefore tops the batch up with runs,
+// and the dispatcher claims by runs alone for the next poll interval if
+// they took more. A run is the due prefix of one aggregate's undelivered
+// events: it starts at the aggregate's head (its first undelivered event)
+// and goes on in sequence order, without gaps, up to the first event that
+// is not due (waiting for a retry, in flight, dead-lettered). A run claim
+// picks heads oldest first and takes each head's run until the batch is
+// full. While one dispatcher holds an aggregate's run, no other sees a head
+// for that aggregate, so dispatchers sharing a backlog split it by
+// aggregate instead of colliding on the same window of rows.
+//
+// Either way a claim writes exactly the rows it leases: no row is
+// rewritten to be held back. Rows that are due but not heads are stepped
+// over, and a run claim's head scan looks only at a bounded window of due
+// rows (scanWindow). Those behind a run in flight stay: it settles within
+// the publish timeout. Those behind a head that waits for a retry or was
+// dead-lettered are moved out of the due range by parkBlocked until their
+// head can move, so that a long outage does not fill every claim's window
+// with everything that arrived during it.
 
 // claimArgs are the values one claim works with.
 type claimArgs struct {
@@ -83,14 +94,50 @@ func headsSQL(t tables, columns string) string {
 func scanWindow(n int) int { return max(4*n, 1000) }
 
 // leaseSQL is the UPDATE that leases the picked rows, given the condition
-// that names them, and returns what a Message needs. Its arguments are
-// batch id, lease end, lease end, now, then those of where.
-func leaseSQL(t tables, where string) string {
+// that names them, and returns what a Message needs, followed by seen when
+// it is not empty. Its arguments are batch id, lease end, lease end, now,
+// then those of where.
+func leaseSQL(t tables, where, seen string) string {
+	returning := `id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+	idempotency_key, payload, headers, occurred_at, delivery_attempts`
+	if seen != "" {
+		returning += ", " + seen
+	}
 	return `UPDATE ` + t.records + ` SET
 	delivery_state = 'delivering', batch_id = ?, locked_until = ?, next_attempt_at = ?, updated_at = ?
 WHERE ` + where + `
-RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, occurred_at, delivery_attempts`
+RETURNING ` + returning
+}
+
+// oldestSQL is the oldest-first claim, one statement on both engines. The
+// window w is the batch size of oldest due rows, locked by lock (FOR
+// UPDATE SKIP LOCKED where the engine has row locks, so that concurrent
+// claims take different windows). For each aggregate in it, f is its
+// lowest sequence there, and h keeps the aggregates with nothing
+// undelivered before that one. In each kept aggregate the rows whose
+// sequence minus their rank is the first sequence's are those that follow
+// it without a gap; a row skipped because it is not due or is locked by
+// another claim leaves a gap, so nothing behind it is taken. Each returned
+// row also carries how many rows the window held. Arguments: now, batch
+// size, then those of leaseSQL.
+func oldestSQL(t tables, lock string) string {
+	return `WITH w AS MATERIALIZED (
+	SELECT r.id, r.aggregate_type AS typ, r.aggregate_id AS agg, r.aggregate_sequence AS seq FROM ` + t.records + ` r
+	WHERE ` + dueSQL("r") + `
+	ORDER BY r.next_attempt_at, r.id
+	LIMIT ?` + lock + `
+), h AS (
+	SELECT typ, agg, first FROM (SELECT typ, agg, min(seq) AS first FROM w GROUP BY typ, agg) f
+	WHERE first = 1 OR NOT EXISTS (
+		SELECT 1 FROM ` + t.records + ` p
+		WHERE p.aggregate_type = f.typ AND p.aggregate_id = f.agg
+			AND p.aggregate_sequence < f.first AND p.delivery_state <> 'delivered')
+), k AS (
+	SELECT o.id FROM (
+		SELECT id, typ, agg, seq - row_number() OVER (PARTITION BY typ, agg ORDER BY seq) AS base FROM w
+	) o JOIN h ON h.typ = o.typ AND h.agg = o.agg AND o.base = h.first - 1
+)
+` + leaseSQL(t, `id IN (SELECT id FROM k)`, `(SELECT count(*) FROM w)`)
 }
 
 func leaseArgs(dl dialect, a claimArgs) []any {
@@ -98,11 +145,12 @@ func leaseArgs(dl dialect, a claimArgs) []any {
 	return []any{a.batchID, end, end, dl.timeArg(a.now)}
 }
 
-// claim leases up to the batch size of due rows, as runs (see above), in
-// one short transaction, and returns them oldest first under a fresh batch
-// id. On PostgreSQL it is one statement; heads are taken with FOR UPDATE
-// SKIP LOCKED, so concurrent claims pass each other by.
-func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
+// claim leases up to the batch size of due rows in one short transaction
+// per statement (see above), and returns them oldest first under a fresh
+// batch id. more reports whether due rows may remain that the claim did
+// not take for want of room: then the dispatcher should claim again at
+// once rather than wait for a wake-up.
+func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed, more bool, err error) {
 	now := time.Now()
 	a := claimArgs{
 		now:      now,
@@ -110,38 +158,93 @@ func (d *Dispatcher) claim(ctx context.Context) (string, []claimed, error) {
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
 	}
-	var rows []claimed
-	err := d.d.claim(ctx, d.db, d.t, a, func(res *sql.Rows) error {
-		for res.Next() {
-			var (
-				r       claimed
-				payload []byte
-				headers sql.NullString
-				at      scanTime
-			)
-			if err := res.Scan(&r.id, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
-				&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts); err != nil {
-				return fmt.Errorf("scan: %w", err)
-			}
-			r.msg.Payload = payload
-			r.msg.OccurredAt = at.Time
-			r.msg.Attempt = r.attempts + 1
-			if headers.Valid {
-				if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
-					return fmt.Errorf("event %s: headers: %w", r.msg.EventID, err)
-				}
-			}
-			rows = append(rows, r)
+	if now.UnixNano() < d.runsUntil.Load() {
+		rows, err = d.claimRuns(ctx, a)
+		if err != nil {
+			return "", nil, false, err
 		}
-		return res.Err()
+		return a.batchID, sortByID(rows), len(rows) == a.limit, nil
+	}
+	var seen int64
+	err = d.d.claimOldest(ctx, d.db, d.t, a, func(res *sql.Rows) error {
+		rows, err = scanLeased(res, &seen)
+		return err
 	})
 	if err != nil {
-		return "", nil, fmt.Errorf("outbox: claim: %w", err)
+		return "", nil, false, fmt.Errorf("outbox: claim: %w", err)
 	}
-	// Oldest first; within an aggregate, ids follow sequences (writers of
-	// one aggregate are serialised by its sequence row).
+	full := seen == int64(a.limit)
+	// Enough, or all there was (an empty claim returns no count, so it is
+	// looked at again by runs).
+	if 2*len(rows) >= a.limit || (len(rows) > 0 && !full) {
+		return a.batchID, sortByID(rows), full, nil
+	}
+	// Other dispatchers hold most of the window's aggregates, or the
+	// window's events wait behind events that are not due: top up by runs.
+	oldest := len(rows)
+	a.limit -= oldest
+	runs, err := d.claimRuns(ctx, a)
+	switch {
+	case err != nil && oldest == 0:
+		return "", nil, false, err
+	case err != nil:
+		d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took", "batch_id", a.batchID, "error", err)
+		return a.batchID, sortByID(rows), true, nil
+	case len(runs) > oldest:
+		d.runsUntil.Store(now.Add(d.pollInterval).UnixNano())
+	}
+	return a.batchID, sortByID(append(rows, runs...)), full || len(runs) == a.limit, nil
+}
+
+// claimRuns leases up to a.limit rows as runs.
+func (d *Dispatcher) claimRuns(ctx context.Context, a claimArgs) (rows []claimed, err error) {
+	err = d.d.claimRuns(ctx, d.db, d.t, a, func(res *sql.Rows) error {
+		rows, err = scanLeased(res, nil)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	return rows, nil
+}
+
+// scanLeased reads the rows leaseSQL returns, and into seen the count that
+// follows them when seen is not nil.
+func scanLeased(res *sql.Rows, seen *int64) ([]claimed, error) {
+	var rows []claimed
+	for res.Next() {
+		var (
+			r       claimed
+			payload []byte
+			headers sql.NullString
+			at      scanTime
+		)
+		dest := []any{&r.id, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
+			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts}
+		if seen != nil {
+			dest = append(dest, seen)
+		}
+		if err := res.Scan(dest...); err != nil {
+			return nil, fmt.Errorf("scan: %w", err)
+		}
+		r.msg.Payload = payload
+		r.msg.OccurredAt = at.Time
+		r.msg.Attempt = r.attempts + 1
+		if headers.Valid {
+			if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
+				return nil, fmt.Errorf("event %s: headers: %w", r.msg.EventID, err)
+			}
+		}
+		rows = append(rows, r)
+	}
+	return rows, res.Err()
+}
+
+// sortByID puts a batch oldest first; within an aggregate, ids follow
+// sequences (writers of one aggregate are serialised by its sequence row).
+func sortByID(rows []claimed) []claimed {
 	sort.Slice(rows, func(i, j int) bool { return rows[i].id < rows[j].id })
-	return a.batchID, rows, nil
+	return rows
 }
 
 // parkBlocked moves the due rows stepped over by the head scan, those

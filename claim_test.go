@@ -47,7 +47,34 @@ func deadLetterFirstOf(t *testing.T, b bundle, aggregate string, n int) {
 	mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_id = ? AND aggregate_sequence = 1`, aggregate).Error)
 }
 
-func TestClaimTakesRunsOfTheOldestHeadsFirst(t *testing.T) {
+// holdFirstBatch starts a dispatcher of the given batch size whose
+// publisher holds the first batch it gets until release is called, and
+// returns once that batch is in flight. release waits for the dispatch to
+// end.
+func holdFirstBatch(t *testing.T, db *gorm.DB, batch int) (held *recorder, release func()) {
+	t.Helper()
+	inFlight, let := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	held = &recorder{next: func(outbox.Batch) error {
+		once.Do(func() { close(inFlight) })
+		<-let
+		return nil
+	}}
+	d := newDispatcher(t, db, held, outbox.WithBatchSize(batch))
+	done := make(chan error, 1)
+	go func() { _, err := d.DispatchOnce(context.Background()); done <- err }()
+	select {
+	case <-inFlight:
+	case err := <-done:
+		t.Fatalf("the holding dispatcher published nothing: %v", err)
+	}
+	return held, func() {
+		close(let)
+		mustNil(t, <-done)
+	}
+}
+
+func TestClaimTakesTheOldestEventsFirst(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishInterleaved(t, b.db, 3, "a", "b")
@@ -56,13 +83,28 @@ func TestClaimTakesRunsOfTheOldestHeadsFirst(t *testing.T) {
 		dispatch(t, d)
 		dispatch(t, d)
 		// A batch lists its messages oldest first.
+		if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 b#2] [a#3 b#3]]" {
+			t.Fatalf("batches %s, want the four oldest events, then the rest", got)
+		}
+	})
+}
+
+func TestClaimByRunsTakesTheRunsOfTheOldestHeads(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishInterleaved(t, b.db, 3, "a", "b")
+		rec := &recorder{}
+		d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
+		outbox.ClaimByRuns(d)
+		dispatch(t, d)
+		dispatch(t, d)
 		if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 a#3] [b#2 b#3]]" {
 			t.Fatalf("batches %s, want a's whole run and b's head, then the rest of b's run", got)
 		}
 	})
 }
 
-func TestRunStopsWhereOrderWouldBreak(t *testing.T) {
+func TestClaimStopsWhereOrderWouldBreak(t *testing.T) {
 	for _, tc := range []struct {
 		name, change, want string
 	}{
@@ -77,90 +119,68 @@ func TestRunStopsWhereOrderWouldBreak(t *testing.T) {
 			want:   "[[a#1 a#2] [a#4]]", // a#3 was accepted out of turn in an earlier partial batch
 		},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-				b := setup(t, e, nil)
-				publishN(t, b.db, "a", 4)
-				mustNil(t, b.db.Exec(tc.change, time.Now().Add(time.Hour).UTC()).Error)
-				rec := &recorder{}
-				d := newDispatcher(t, b.db, rec)
-				dispatch(t, d)
-				dispatch(t, d)
-				if got := fmt.Sprint(rec.batchIDs()); got != tc.want {
-					t.Fatalf("batches %s, want %s", got, tc.want)
-				}
+		for _, byRuns := range []bool{false, true} {
+			name := tc.name + ", oldest first"
+			if byRuns {
+				name = tc.name + ", by runs"
+			}
+			t.Run(name, func(t *testing.T) {
+				forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+					b := setup(t, e, nil)
+					publishN(t, b.db, "a", 4)
+					mustNil(t, b.db.Exec(tc.change, time.Now().Add(time.Hour).UTC()).Error)
+					rec := &recorder{}
+					d := newDispatcher(t, b.db, rec)
+					if byRuns {
+						outbox.ClaimByRuns(d)
+					}
+					dispatch(t, d)
+					dispatch(t, d)
+					if got := fmt.Sprint(rec.batchIDs()); got != tc.want {
+						t.Fatalf("batches %s, want %s", got, tc.want)
+					}
+				})
 			})
-		})
+		}
 	}
 }
 
-func TestDispatchersSplitABacklogByAggregate(t *testing.T) {
+func TestClaimPassesByTheAggregatesAnotherDispatcherHolds(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
-		publishInterleaved(t, b.db, 3, "a", "b")
-		// The first dispatcher claims a's run and holds it in its publisher.
-		inFlight, release := make(chan struct{}), make(chan struct{})
-		var once sync.Once
-		slow := &recorder{next: func(outbox.Batch) error {
-			once.Do(func() { close(inFlight) })
-			<-release
-			return nil
-		}}
-		first := newDispatcher(t, b.db, slow, outbox.WithBatchSize(3))
-		done := make(chan error, 1)
-		go func() { _, err := first.DispatchOnce(context.Background()); done <- err }()
-		select {
-		case <-inFlight:
-		case err := <-done:
-			t.Fatalf("the first dispatcher published nothing: %v", err)
-		}
+		publishN(t, b.db, "a", 4)
+		publishN(t, b.db, "b", 2)
+		held, release := holdFirstBatch(t, b.db, 2) // a#1 a#2
 
-		// The second takes b's run meanwhile, and nothing of a's.
+		// The oldest due events, a#3 and a#4, must wait for a#2: the
+		// second dispatcher takes b's run instead, and nothing of a's.
 		rec := &recorder{}
-		second := newDispatcher(t, b.db, rec, outbox.WithBatchSize(3))
+		second := newDispatcher(t, b.db, rec, outbox.WithBatchSize(2))
 		dispatch(t, second)
 		dispatch(t, second)
-		close(release)
-		mustNil(t, <-done)
-		if got := fmt.Sprint(slow.batchIDs(), rec.batchIDs()); got != "[[a#1 a#2 a#3]] [[b#1 b#2 b#3]]" {
-			t.Fatalf("first and second dispatcher published %s; want a's run and b's run", got)
+		release()
+		if got := fmt.Sprint(held.batchIDs(), rec.batchIDs()); got != "[[a#1 a#2]] [[b#1 b#2]]" {
+			t.Fatalf("first and second dispatcher published %s; want a#1 a#2, and b's run", got)
 		}
 	})
 }
 
-func TestEventsBehindADeadLetterAreParkedForALease(t *testing.T) {
+func TestClaimTakesRunsForAPollIntervalAfterFindingTheOldestEventsHeld(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
-		deadLetterFirstOf(t, b, "poison", 3)
+		publishN(t, b.db, "a", 4)
+		publishN(t, b.db, "b", 2)
+		_, release := holdFirstBatch(t, b.db, 2)
 		rec := &recorder{}
-		lease := time.Hour
-		d := newDispatcher(t, b.db, rec, outbox.WithLease(lease))
-		before := time.Now()
-		if n := dispatch(t, d); n != 0 || len(rec.batches) != 0 {
-			t.Fatalf("published %v behind a dead letter", rec.batchIDs())
-		}
-		for _, r := range b.records(t)[1:] {
-			if r.DeliveryState != "pending" || r.NextAttemptAt.Before(before.Add(lease-time.Minute)) {
-				t.Fatalf("poison#%d is %s, next attempt %v; want pending and parked about a lease (%v) from now",
-					r.AggregateSequence, r.DeliveryState, r.NextAttemptAt, lease)
-			}
-		}
-	})
-}
+		second := newDispatcher(t, b.db, rec, outbox.WithBatchSize(2), outbox.WithPollInterval(time.Hour))
+		dispatch(t, second) // b's run, after finding a#3 and a#4 held
+		release()
 
-func TestRetryFailedReleasesTheEventsParkedBehindIt(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		deadLetterFirstOf(t, b, "poison", 3)
-		rec := &recorder{}
-		d := newDispatcher(t, b.db, rec, outbox.WithLease(time.Hour))
-		dispatch(t, d) // parks poison#2 and #3 for the hour-long lease
-		if n, err := d.RetryFailed(context.Background()); err != nil || n != 1 {
-			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
-		}
-		dispatch(t, d)
-		if got := fmt.Sprint(rec.batchIDs()); got != "[[poison#1 poison#2 poison#3]]" {
-			t.Fatalf("batches %s, want the revived event and the two parked behind it at once", got)
+		publishInterleaved(t, b.db, 2, "c", "d")
+		dispatch(t, second)
+		dispatch(t, second)
+		if got := fmt.Sprint(rec.batchIDs()); got != "[[b#1 b#2] [a#3 a#4] [c#1 c#2]]" {
+			t.Fatalf("batches %s, want runs: b's, a's, then c's (not the oldest, c#1 d#1)", got)
 		}
 	})
 }

@@ -71,11 +71,11 @@ func NewScheduler(d *Dispatcher, s Schedule, opts ...cron.Option) (*Scheduler, e
 		run        func(ctx context.Context) error
 	}{
 		{"dispatch", s.Dispatch, func(ctx context.Context) error {
-			// Drain while batches come back full; a stop lets the batch in
-			// flight publish and settle, and claims no more.
+			// Drain while claims stop for want of room; a stop lets the
+			// batch in flight publish and settle, and claims no more.
 			for ctx.Err() == nil {
-				n, _, err := d.dispatch(context.WithoutCancel(ctx))
-				if err != nil || n < d.batchSize {
+				r, err := d.dispatch(context.WithoutCancel(ctx))
+				if err != nil || !r.more {
 					return err
 				}
 			}

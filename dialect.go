@@ -32,12 +32,14 @@ type dialect interface {
 	// ends or the connection fails; it returns errNoListen where the
 	// engine or driver has no notifications.
 	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
-	// claim leases up to a.limit due rows as runs (see claim.go) in one
-	// short transaction, and hands the rows that leaseSQL returns to scan.
-	// On PostgreSQL the lease has committed by then, so rows that scan
-	// fails on stay leased until their lease passes; on SQLite a scan error
-	// rolls the claim back.
-	claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	// claimOldest leases what oldestSQL picks from the a.limit oldest due
+	// rows, and claimRuns up to a.limit due rows as runs (see claim.go),
+	// each in one short transaction, and hand the rows that leaseSQL
+	// returns to scan. On PostgreSQL the lease has committed by then, so
+	// rows that scan fails on stay leased until their lease passes; on
+	// SQLite a scan error rolls the claim back.
+	claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 	// idsIn returns the condition that a bigint column is one of ids, to
 	// follow the column's name, and its arguments: one array argument
 	// where the engine has arrays, so that the statement's text and plan

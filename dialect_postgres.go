@@ -135,25 +135,36 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-// claim is one statement. Heads are locked with SKIP LOCKED as the nested
-// loop pulls them, so a claim locks only the heads whose runs it takes; a
-// head another claim holds is passed by, and the rows behind it are not
-// heads. Each run is read through the aggregate index in sequence order,
-// up to the batch size, and locked with SKIP LOCKED too (all of them: the
-// sort that the window needs after the lock reads the whole subquery); it
-// ends at the first row that is not due or not the next sequence, and a row
-// skipped because it was locked, by a late settle of an expired lease,
-// leaves such a gap, so a run never jumps over an event.
+// claimOldest is one statement.
+func (d postgresDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+	args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
+	return query(ctx, db, bindNumbered(oldestSQL(t, d.skipLocked())), args, scan)
+}
+
+// claimRuns is one statement. Heads are locked with SKIP LOCKED as the
+// nested loop pulls them, so a claim locks only the heads whose runs it
+// takes; a head another claim holds is passed by, and the rows behind it
+// are not heads. Each run is read through the aggregate index in sequence
+// order, up to the batch size, and locked with SKIP LOCKED too (all of
+// them: the sort that the window needs after the lock reads the whole
+// subquery); it ends at the first row that is not due or not the next
+// sequence, and a row skipped because it was locked, by a late settle of
+// an expired lease, leaves such a gap, so a run never jumps over an event.
 //
 // The outer LIMIT keeps the first rows the nested loop yields: heads in
 // order, each followed by its run in sequence order, so the cut falls at
 // the end of a run and leaves a prefix of it. PostgreSQL runs a LATERAL
 // subquery with its own LIMIT only as the inner side of a nested loop, and
 // never in parallel under UPDATE, so no other plan can reorder those rows.
-func (d postgresDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	now := d.timeArg(a.now)
 	args := append(leaseArgs(d, a), now, scanWindow(a.limit), now, a.limit, now, a.limit, a.limit)
-	res, err := db.Statement.ConnPool.QueryContext(ctx, claimSQL(t), args...)
+	return query(ctx, db, runsSQL(t), args, scan)
+}
+
+// query runs one statement on db's pool and hands its rows to scan.
+func query(ctx context.Context, db *gorm.DB, q string, args []any, scan func(*sql.Rows) error) error {
+	res, err := db.Statement.ConnPool.QueryContext(ctx, q, args...)
 	if err != nil {
 		return err
 	}
@@ -161,10 +172,10 @@ func (d postgresDialect) claim(ctx context.Context, db *gorm.DB, t tables, a cla
 	return scan(res)
 }
 
-// claimSQL is the claim statement. Its arguments: those of leaseSQL, then
-// now, scan window, now (heads), batch size (heads), now (runs), batch size
+// runsSQL is the run claim. Its arguments: those of leaseSQL, then now,
+// scan window, now (heads), batch size (heads), now (runs), batch size
 // (each run), batch size (the batch).
-func claimSQL(t tables) string {
+func runsSQL(t tables) string {
 	return bindNumbered(leaseSQL(t, `id IN (
 	SELECT run.id FROM (
 		`+headsSQL(t, `r.id AS hid, r.aggregate_type AS ht, r.aggregate_id AS ha, r.aggregate_sequence AS hs`)+`
@@ -187,7 +198,7 @@ func claimSQL(t tables) string {
 		WHERE w.due AND w.next
 	) run
 	LIMIT ?
-)`))
+)`, ""))
 }
 
 func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", []any{ids} }

@@ -95,14 +95,37 @@ func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { r
 // rejectsData: SQLite stores any text it is given; encode has checked it.
 func (sqliteDialect) rejectsData(error) bool { return false }
 
-// claim holds the database's write lock from start to end (BEGIN IMMEDIATE
-// on a connection of its own), so that no other claim or writer runs
-// between reading the runs and leasing them. It reads the heads; takes a
-// head alone when its aggregate has nothing undelivered after it, which is
-// the common case and costs no further query; follows the run of the
-// others, in sequence order until the first row that is not due or not
-// the next sequence; and leases what it picked in one statement.
-func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) (err error) {
+// claimOldest runs the oldest-first statement inside immediate, so that
+// its read and its write see one state of the database.
+func (d sqliteDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+	return immediate(ctx, db, func(conn *sql.Conn) error {
+		args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
+		return queryConn(ctx, conn, oldestSQL(t, d.skipLocked()), args, scan)
+	})
+}
+
+// claimRuns reads the heads inside immediate; takes a head alone when its
+// aggregate has nothing undelivered after it, which is the common case and
+// costs no further query; follows the run of the others, in sequence order
+// until the first row that is not due or not the next sequence; and leases
+// what it picked in one statement.
+func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+	return immediate(ctx, db, func(conn *sql.Conn) error {
+		ids, err := d.pick(ctx, conn, t, a)
+		if err != nil || len(ids) == 0 {
+			return err
+		}
+		in, idArgs := d.idsIn(ids)
+		return queryConn(ctx, conn, leaseSQL(t, "id "+in, ""), append(leaseArgs(d, a), idArgs...), scan)
+	})
+}
+
+// immediate runs fn in a transaction that holds the database's write lock
+// from start to end (BEGIN IMMEDIATE on a connection of its own), so that
+// no other claim or writer runs between a claim's reads and its lease: in
+// a deferred transaction, a write after another connection's commit fails
+// with SQLITE_BUSY instead of waiting.
+func immediate(ctx context.Context, db *gorm.DB, fn func(conn *sql.Conn) error) (err error) {
 	sqlDB, err := db.DB()
 	if err != nil {
 		return err
@@ -125,25 +148,23 @@ func (d sqliteDialect) claim(ctx context.Context, db *gorm.DB, t tables, a claim
 			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
 		}
 	}()
-	ids, err := d.pick(ctx, conn, t, a)
+	if err := fn(conn); err != nil {
+		return err
+	}
+	_, err = conn.ExecContext(ctx, "COMMIT")
+	return err
+}
+
+// queryConn runs one statement on conn and hands its rows to scan.
+func queryConn(ctx context.Context, conn *sql.Conn, q string, args []any, scan func(*sql.Rows) error) error {
+	res, err := conn.QueryContext(ctx, q, args...)
 	if err != nil {
 		return err
 	}
-	if len(ids) > 0 {
-		in, idArgs := d.idsIn(ids)
-		res, err := conn.QueryContext(ctx, leaseSQL(t, "id "+in), append(leaseArgs(d, a), idArgs...)...)
-		if err != nil {
-			return err
-		}
-		err = scan(res)
-		if cerr := res.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return err
-		}
+	err = scan(res)
+	if cerr := res.Close(); err == nil {
+		err = cerr
 	}
-	_, err = conn.ExecContext(ctx, "COMMIT")
 	return err
 }
 

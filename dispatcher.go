@@ -54,11 +54,13 @@ const (
 // later messages are parked meanwhile, looked at again once per lease, and
 // made due at once when RetryFailed brings their dead letter back.
 //
-// A claim takes runs: from the aggregates whose next undelivered message
-// has waited longest, each one's consecutive due messages in sequence
-// order, until the batch is full. Dispatchers sharing a backlog therefore
-// split it by aggregate; an aggregate with a deep backlog may fill a batch
-// on its own, delaying a fresher aggregate by at most that batch.
+// A claim takes the oldest due messages that keep that order. When other
+// dispatchers hold the aggregates of the oldest messages, it takes runs
+// instead: from the aggregates whose next undelivered message has waited
+// longest, each one's consecutive due messages in sequence order.
+// Dispatchers sharing a backlog therefore split it by aggregate; an
+// aggregate with a deep backlog may fill a batch on its own, delaying a
+// fresher aggregate by at most that batch.
 //
 // The table name is taken from the outbox plugin registered on the
 // *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for
@@ -83,6 +85,7 @@ type Dispatcher struct {
 	wake      chan struct{}
 	inProcess atomic.Bool  // Run is woken by in-process writes
 	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
+	runsUntil atomic.Int64 // unix nanoseconds until which claims take runs only
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -262,29 +265,38 @@ type claimed struct {
 // Cancelling ctx abandons the publish (the batch is then retried); the
 // settle always runs to completion.
 func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
-	_, delivered, err := d.dispatch(ctx)
-	return delivered, err
+	r, err := d.dispatch(ctx)
+	return r.delivered, err
 }
 
-func (d *Dispatcher) dispatch(ctx context.Context) (claimedN, delivered int, err error) {
-	batchID, rows, err := d.claim(ctx)
+// dispatched is what one dispatch did.
+type dispatched struct {
+	claimed, delivered int
+	// more reports that the claim stopped for want of room in the batch,
+	// so that due rows may remain.
+	more bool
+}
+
+// dispatch claims, publishes and settles one batch.
+func (d *Dispatcher) dispatch(ctx context.Context) (dispatched, error) {
+	batchID, rows, more, err := d.claim(ctx)
 	if err != nil {
-		return 0, 0, err
+		return dispatched{}, err
 	}
 	if len(rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
 		defer d.parkBlocked(context.WithoutCancel(ctx))
 	}
 	if len(rows) == 0 {
-		return 0, 0, nil
+		return dispatched{}, nil
 	}
 	batch := Batch{ID: batchID, Messages: make([]Message, len(rows))}
 	for i, r := range rows {
 		batch.Messages[i] = r.msg
 	}
 	pubErr := d.publish(ctx, batch)
-	delivered, err = d.settle(context.WithoutCancel(ctx), batch.ID, rows, pubErr)
-	return len(rows), delivered, err
+	delivered, err := d.settle(context.WithoutCancel(ctx), batch.ID, rows, pubErr)
+	return dispatched{claimed: len(rows), delivered: delivered, more: more}, err
 }
 
 // ErrPublisherPanic is wrapped by the error a batch is retried with when

@@ -32,10 +32,10 @@ func WithListen(enabled bool) DispatcherOption {
 const followUp = 20 * time.Millisecond
 
 // Run dispatches until ctx ends, then returns nil. It claims again at once
-// while batches come back full, and otherwise waits for a wake-up: a
-// notification from a committing transaction (see [WithListen]), a
-// [Dispatcher.Notify], or the poll interval (see [WithPollInterval]),
-// whichever comes first. Bursts of wake-ups coalesce: a thousand commits
+// while claims stop for want of room in the batch (more may be due), and
+// otherwise waits for a wake-up: a notification from a committing
+// transaction (see [WithListen]), a [Dispatcher.Notify], or the poll
+// interval (see [WithPollInterval]), whichever comes first. Bursts of wake-ups coalesce: a thousand commits
 // during one batch cause one more claim, not a thousand.
 //
 // Errors (a lost connection, a server restart) are logged and retried at
@@ -65,14 +65,14 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		n, _, err := d.dispatch(work)
+		r, err := d.dispatch(work)
 		wait := d.pollInterval
 		switch {
 		case err != nil:
 			d.log.Error("outbox: dispatch failed; retrying", "error", err, "in", wait)
-		case n == d.batchSize:
+		case r.more:
 			wait = 0
-		case n == 0 && woken && d.inProcess.Load():
+		case r.claimed == 0 && woken && d.inProcess.Load():
 			wait = min(wait, followUp)
 		}
 		if !timer.Stop() {
