@@ -317,9 +317,12 @@ func checkDrained(ctx context.Context, db *sql.DB) error {
 // loadOutboxPostgres inserts n pending events straight into the outbox
 // table, in one statement: each event belongs to a random one of the
 // aggregates, sequences count 1, 2, 3, ... per aggregate in id order,
-// payloads are about 230 bytes, and next_attempt_at rises with id, as if
-// the events had been written one after another over the past hour. The
-// sequence table is filled to match.
+// payloads are about 230 bytes, next_attempt_at rises with id, as if the
+// events had been written one after another an hour ago, and event ids
+// (which are also the idempotency keys) are UUIDv7 of that time, as the
+// library writes them: time-ordered, so that rows claimed together have
+// neighbouring keys in the unique indexes, as they do in a real outbox.
+// The sequence table is filled to match.
 func loadOutboxPostgres(ctx context.Context, db *sql.DB, n, aggregates int) error {
 	base := time.Now().Add(-time.Hour).UTC()
 	if _, err := db.ExecContext(ctx, `INSERT INTO outbox_records (event_id, event_type, aggregate_type, aggregate_id,
@@ -330,9 +333,20 @@ SELECT eid, $3, $4, agg, row_number() OVER (PARTITION BY agg ORDER BY g), eid,
 		'amount_cents', 100 + g % 100000, 'currency', 'EUR', 'note', $5::text, 'placed_at', at),
 	'pending', 0, at, at, at, at
 FROM (
-	SELECT g, 'customer-' || lpad(floor(random() * $2)::int::text, 6, '0') AS agg,
-		gen_random_uuid()::text AS eid, $6::timestamptz + g * interval '1 microsecond' AS at
-	FROM generate_series(1, $1::int) AS g
+	SELECT g, agg, at,
+		substr(ms, 1, 8) || '-' || substr(ms, 9, 4) || '-7' || lpad(to_hex(us % 1000), 3, '0') ||
+			'-8' || substr(rnd, 1, 3) || '-' || substr(rnd, 4, 12) AS eid
+	FROM (
+		SELECT g, agg, at, us, lpad(to_hex(us / 1000), 12, '0') AS ms, md5(random()::text) AS rnd
+		FROM (
+			SELECT g, 'customer-' || lpad(floor(random() * $2)::int::text, 6, '0') AS agg, at,
+				floor(extract(epoch FROM at) * 1000000)::bigint AS us
+			FROM (
+				SELECT g, $6::timestamptz + g * interval '1 microsecond' AS at
+				FROM generate_series(1, $1::int) AS g
+			) AS t
+		) AS a
+	) AS b
 ) AS src
 ORDER BY g`, n, aggregates, eventType, aggregateType, orderNote, base); err != nil {
 		return err
