@@ -53,7 +53,7 @@ func TestSmoke(t *testing.T) {
 		"dispatch_outbox_1d_b1000", "dispatch_raw_4d_b1000", "dispatch_river", "dispatch_watermill_default",
 		"dispatch_watermill_b1000", "dispatch_sqlite_outbox_1d_b1000",
 		"latency_notify_p50", "latency_notify_p99", "latency_poll_p99",
-		"backlog_ratio_big_over_small",
+		"backlog_ratio_big_over_small", "backlog_ratio_raw_big_over_small",
 	} {
 		if !got[want] {
 			t.Errorf("figure %s missing", want)
