@@ -25,11 +25,12 @@ import (
 // database's cache, that is what keeps a claim as cheap as a plain
 // oldest-rows loop.
 //
-// Runs. When other dispatchers hold the aggregates of the oldest events,
-// most of that window is not theirs to take. A claim that leased less than
-// half a batch out of a full window therefore tops the batch up with runs,
-// and the dispatcher claims by runs alone for the next poll interval if
-// they took more. A run is the due prefix of one aggregate's undelivered
+// Runs. When other dispatchers hold the aggregates of some of the oldest
+// events, the window holds those back, and every claim would lock them
+// again. A claim whose window held rows back therefore tops the batch up
+// with runs, and if runs found any, the dispatcher claims by runs alone
+// for the next ten poll intervals (runsPolls), then looks at the oldest
+// rows again. A run is the due prefix of one aggregate's undelivered
 // events: it starts at the aggregate's head (its first undelivered event)
 // and goes on in sequence order, without gaps, up to the first event that
 // is not due (waiting for a retry, in flight, dead-lettered). A run claim
@@ -174,13 +175,14 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		return "", nil, false, fmt.Errorf("outbox: claim: %w", err)
 	}
 	full := seen == int64(a.limit)
-	// Enough, or all there was (an empty claim returns no count, so it is
-	// looked at again by runs).
-	if 2*len(rows) >= a.limit || (len(rows) > 0 && !full) {
+	if len(rows) > 0 && int64(len(rows)) == seen {
 		return a.batchID, sortByID(rows), full, nil
 	}
-	// Other dispatchers hold most of the window's aggregates, or the
-	// window's events wait behind events that are not due: top up by runs.
+	// The window held back some of its rows (an empty claim returns no
+	// count): other dispatchers hold their aggregates, or their heads
+	// wait for a retry. Top the batch up by runs, and if runs found
+	// anything, claim by runs alone for a while: a window that other
+	// dispatchers keep holding back costs a lock on every row of it.
 	oldest := len(rows)
 	a.limit -= oldest
 	runs, err := d.claimRuns(ctx, a)
@@ -190,11 +192,15 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 	case err != nil:
 		d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took", "batch_id", a.batchID, "error", err)
 		return a.batchID, sortByID(rows), true, nil
-	case len(runs) > oldest:
-		d.runsUntil.Store(now.Add(d.pollInterval).UnixNano())
+	case len(runs) > 0:
+		d.runsUntil.Store(now.Add(runsPolls * d.pollInterval).UnixNano())
 	}
 	return a.batchID, sortByID(append(rows, runs...)), full || len(runs) == a.limit, nil
 }
+
+// runsPolls is for how many poll intervals a dispatcher claims by runs
+// alone after finding the oldest due rows held back.
+const runsPolls = 10
 
 // claimRuns leases up to a.limit rows as runs.
 func (d *Dispatcher) claimRuns(ctx context.Context, a claimArgs) (rows []claimed, err error) {

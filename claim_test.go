@@ -165,7 +165,7 @@ func TestClaimPassesByTheAggregatesAnotherDispatcherHolds(t *testing.T) {
 	})
 }
 
-func TestClaimTakesRunsForAPollIntervalAfterFindingTheOldestEventsHeld(t *testing.T) {
+func TestClaimTakesRunsForAWhileAfterFindingTheOldestEventsHeld(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 4)

@@ -2,7 +2,7 @@ package outbox
 
 import "math"
 
-// ClaimByRuns makes d claim by runs alone from now on, as it does for a
-// poll interval after finding the oldest due events held by other
-// dispatchers, so that tests can specify run claims directly.
+// ClaimByRuns makes d claim by runs alone from now on, as it does for ten
+// poll intervals after finding some of the oldest due events held back,
+// so that tests can specify run claims directly.
 func ClaimByRuns(d *Dispatcher) { d.runsUntil.Store(math.MaxInt64) }
