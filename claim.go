@@ -11,33 +11,31 @@ import (
 	"github.com/google/uuid"
 )
 
-// A claim takes the oldest due events that keep order, and passes by the
-// aggregates other dispatchers hold by taking runs.
+// A claim takes runs, and on SQLite the oldest due events first.
 //
-// Oldest first. The claim looks at the batch size of oldest due rows, in
-// the due index's order (next_attempt_at, id), and leases those that keep
+// Runs. A run is the due prefix of one aggregate's undelivered events: it
+// starts at the aggregate's head (its first undelivered event) and goes on
+// in sequence order, without gaps, up to the first event that is not due
+// (waiting for a retry, in flight, dead-lettered). A run claim picks heads
+// oldest first, through the due index in its order (next_attempt_at, id),
+// and takes each head's run until the batch is full. While one dispatcher
+// holds an aggregate's run, no other sees a head for that aggregate, so
+// dispatchers sharing a backlog split it by aggregate instead of colliding
+// on the same window of rows. This is the claim on PostgreSQL, where
+// dispatchers run side by side.
+//
+// Oldest first (engines that are an oldestClaimer: SQLite). The claim
+// looks at the batch size of oldest due rows and leases those that keep
 // each aggregate's order: per aggregate, the rows from its first one in
 // the window on, in sequence order without a gap, provided nothing
 // undelivered comes before that first one (one probe per aggregate, not
-// per row). A dispatcher working alone on a backlog thus takes its rows in
-// the order they were written, which keeps a batch on a few neighbouring
-// pages of the table and its indexes: on a backlog bigger than the
-// database's cache, that is what keeps a claim as cheap as a plain
-// oldest-rows loop.
-//
-// Runs. When other dispatchers hold the aggregates of some of the oldest
-// events, the window holds those back, and every claim would lock them
-// again. A claim whose window held rows back therefore tops the batch up
-// with runs, and if runs found any, the dispatcher claims by runs alone
-// for the next ten poll intervals (runsPolls), then looks at the oldest
-// rows again. A run is the due prefix of one aggregate's undelivered
-// events: it starts at the aggregate's head (its first undelivered event)
-// and goes on in sequence order, without gaps, up to the first event that
-// is not due (waiting for a retry, in flight, dead-lettered). A run claim
-// picks heads oldest first and takes each head's run until the batch is
-// full. While one dispatcher holds an aggregate's run, no other sees a head
-// for that aggregate, so dispatchers sharing a backlog split it by
-// aggregate instead of colliding on the same window of rows.
+// per row). A dispatcher thus takes its backlog in the order it was
+// written, which keeps a batch on a few neighbouring pages; a run in an
+// interleaved backlog is spread over as many pages as it has rows. When
+// the window holds rows back (other dispatchers hold their aggregates, or
+// their heads wait for a retry), the claim tops the batch up with runs, and
+// if runs found any, the dispatcher claims by runs alone for the next ten
+// poll intervals (runsPolls), then looks at the oldest rows again.
 //
 // Either way a claim writes exactly the rows it leases: no row is
 // rewritten to be held back. Rows that are due but not heads are stepped
@@ -110,23 +108,22 @@ WHERE ` + where + `
 RETURNING ` + returning
 }
 
-// oldestSQL is the oldest-first claim, one statement on both engines. The
-// window w is the batch size of oldest due rows, locked by lock (FOR
-// UPDATE SKIP LOCKED where the engine has row locks, so that concurrent
-// claims take different windows). For each aggregate in it, f is its
+// oldestSQL is the oldest-first claim, one statement, run where a claim
+// holds the database's write lock (so it takes no row locks). The window w
+// is the batch size of oldest due rows. For each aggregate in it, f is its
 // lowest sequence there, and h keeps the aggregates with nothing
 // undelivered before that one. In each kept aggregate the rows whose
 // sequence minus their rank is the first sequence's are those that follow
-// it without a gap; a row skipped because it is not due or is locked by
-// another claim leaves a gap, so nothing behind it is taken. Each returned
+// it without a gap; a row missing from the window because it is not due
+// leaves a gap, so nothing behind it is taken. Each returned
 // row also carries how many rows the window held. Arguments: now, batch
 // size, then those of leaseSQL.
-func oldestSQL(t tables, lock string) string {
+func oldestSQL(t tables) string {
 	return `WITH w AS MATERIALIZED (
 	SELECT r.id, r.aggregate_type AS typ, r.aggregate_id AS agg, r.aggregate_sequence AS seq FROM ` + t.records + ` r
 	WHERE ` + dueSQL("r") + `
 	ORDER BY r.next_attempt_at, r.id
-	LIMIT ?` + lock + `
+	LIMIT ?
 ), h AS (
 	SELECT typ, agg, first FROM (SELECT typ, agg, min(seq) AS first FROM w GROUP BY typ, agg) f
 	WHERE first = 1 OR NOT EXISTS (
@@ -159,7 +156,8 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
 	}
-	if now.UnixNano() < d.runsUntil.Load() {
+	oc, ok := d.d.(oldestClaimer)
+	if !ok || now.UnixNano() < d.runsUntil.Load() {
 		rows, err = d.claimRuns(ctx, a)
 		if err != nil {
 			return "", nil, false, err
@@ -167,7 +165,7 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		return a.batchID, sortByID(rows), len(rows) == a.limit, nil
 	}
 	var seen int64
-	err = d.d.claimOldest(ctx, d.db, d.t, a, func(res *sql.Rows) error {
+	err = oc.claimOldest(ctx, d.db, d.t, a, func(res *sql.Rows) error {
 		rows, err = scanLeased(res, &seen)
 		return err
 	})

@@ -74,19 +74,29 @@ func holdFirstBatch(t *testing.T, db *gorm.DB, batch int) (held *recorder, relea
 	}
 }
 
-func TestClaimTakesTheOldestEventsFirst(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		publishInterleaved(t, b.db, 3, "a", "b")
-		rec := &recorder{}
-		d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
-		dispatch(t, d)
-		dispatch(t, d)
-		// A batch lists its messages oldest first.
-		if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 b#2] [a#3 b#3]]" {
-			t.Fatalf("batches %s, want the four oldest events, then the rest", got)
-		}
-	})
+func TestClaimOnSQLiteTakesTheOldestEventsFirst(t *testing.T) {
+	b := setup(t, outboxtest.SQLite, nil)
+	publishInterleaved(t, b.db, 3, "a", "b")
+	rec := &recorder{}
+	d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
+	dispatch(t, d)
+	dispatch(t, d)
+	// A batch lists its messages oldest first.
+	if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 b#2] [a#3 b#3]]" {
+		t.Fatalf("batches %s, want the four oldest events, then the rest", got)
+	}
+}
+
+func TestClaimOnPostgresTakesRuns(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	publishInterleaved(t, b.db, 3, "a", "b")
+	rec := &recorder{}
+	d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
+	dispatch(t, d)
+	dispatch(t, d)
+	if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 a#3] [b#2 b#3]]" {
+		t.Fatalf("batches %s, want a's whole run and b's head, then the rest of b's run", got)
+	}
 }
 
 func TestClaimByRunsTakesTheRunsOfTheOldestHeads(t *testing.T) {
@@ -120,7 +130,7 @@ func TestClaimStopsWhereOrderWouldBreak(t *testing.T) {
 		},
 	} {
 		for _, byRuns := range []bool{false, true} {
-			name := tc.name + ", oldest first"
+			name := tc.name + ", default claim"
 			if byRuns {
 				name = tc.name + ", by runs"
 			}

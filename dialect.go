@@ -32,13 +32,11 @@ type dialect interface {
 	// ends or the connection fails; it returns errNoListen where the
 	// engine or driver has no notifications.
 	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
-	// claimOldest leases what oldestSQL picks from the a.limit oldest due
-	// rows, and claimRuns up to a.limit due rows as runs (see claim.go),
-	// each in one short transaction, and hand the rows that leaseSQL
-	// returns to scan. On PostgreSQL the lease has committed by then, so
-	// rows that scan fails on stay leased until their lease passes; on
-	// SQLite a scan error rolls the claim back.
-	claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	// claimRuns leases up to a.limit due rows as runs (see claim.go) in
+	// one short transaction, and hands the rows that leaseSQL returns to
+	// scan. On PostgreSQL the lease has committed by then, so rows that
+	// scan fails on stay leased until their lease passes; on SQLite a scan
+	// error rolls the claim back.
 	claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 	// idsIn returns the condition that a bigint column is one of ids, to
 	// follow the column's name, and its arguments: one array argument
@@ -53,6 +51,20 @@ type dialect interface {
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
 	rejectsData(err error) bool
+}
+
+// oldestClaimer is a dialect whose claims take the oldest due rows first
+// and fall back to runs (see claim.go). SQLite is one: its claims take
+// turns on one write lock anyway, so the locality of the oldest rows is
+// all there is to win. PostgreSQL is not: measured with four dispatchers
+// at batch 1,000, windows of the oldest rows that the other dispatchers'
+// aggregates held back cost a third of the throughput that runs alone
+// reach.
+type oldestClaimer interface {
+	// claimOldest leases what oldestSQL picks from the a.limit oldest due
+	// rows, in one short transaction, and hands the rows that leaseSQL
+	// returns to scan.
+	claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 }
 
 // dialectOf returns the dialect for db's engine.

@@ -135,12 +135,6 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-// claimOldest is one statement.
-func (d postgresDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
-	args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-	return query(ctx, db, bindNumbered(oldestSQL(t, d.skipLocked())), args, scan)
-}
-
 // claimRuns is one statement. Heads are locked with SKIP LOCKED as the
 // nested loop pulls them, so a claim locks only the heads whose runs it
 // takes; a head another claim holds is passed by, and the rows behind it
