@@ -74,28 +74,28 @@ func holdFirstBatch(t *testing.T, db *gorm.DB, batch int) (held *recorder, relea
 	}
 }
 
-func TestClaimOnSQLiteTakesTheOldestEventsFirst(t *testing.T) {
-	b := setup(t, outboxtest.SQLite, nil)
-	publishInterleaved(t, b.db, 3, "a", "b")
-	rec := &recorder{}
-	d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
-	dispatch(t, d)
-	dispatch(t, d)
-	// A batch lists its messages oldest first.
-	if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 b#2] [a#3 b#3]]" {
-		t.Fatalf("batches %s, want the four oldest events, then the rest", got)
-	}
-}
-
-func TestClaimOnPostgresTakesRuns(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
-	publishInterleaved(t, b.db, 3, "a", "b")
-	rec := &recorder{}
-	d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
-	dispatch(t, d)
-	dispatch(t, d)
-	if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 a#3] [b#2 b#3]]" {
-		t.Fatalf("batches %s, want a's whole run and b's head, then the rest of b's run", got)
+func TestClaimTakesTheEnginesDefaultBatches(t *testing.T) {
+	for _, tc := range []struct {
+		engine outboxtest.Engine
+		want   string
+	}{
+		// The four oldest events, then the rest.
+		{outboxtest.SQLite, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
+		// a's whole run and b's head, then the rest of b's run.
+		{outboxtest.Postgres, "[[a#1 b#1 a#2 a#3] [b#2 b#3]]"},
+	} {
+		t.Run(string(tc.engine), func(t *testing.T) {
+			b := setup(t, tc.engine, nil)
+			publishInterleaved(t, b.db, 3, "a", "b")
+			rec := &recorder{}
+			d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
+			dispatch(t, d)
+			dispatch(t, d)
+			// A batch lists its messages oldest first.
+			if got := fmt.Sprint(rec.batchIDs()); got != tc.want {
+				t.Fatalf("batches %s, want %s", got, tc.want)
+			}
+		})
 	}
 }
 
