@@ -138,6 +138,22 @@ func oldestSQL(t tables) string {
 ` + leaseSQL(t, `id IN (SELECT id FROM k)`, `(SELECT count(*) FROM w)`)
 }
 
+// queryScan runs one claim statement on q, a pool or a connection, and
+// hands its rows to scan.
+func queryScan(ctx context.Context, q interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}, query string, args []any, scan func(*sql.Rows) error) error {
+	res, err := q.QueryContext(ctx, query, args...)
+	if err != nil {
+		return err
+	}
+	err = scan(res)
+	if cerr := res.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
 func leaseArgs(dl dialect, a claimArgs) []any {
 	end := dl.timeArg(a.leaseEnd)
 	return []any{a.batchID, end, end, dl.timeArg(a.now)}

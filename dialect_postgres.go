@@ -153,17 +153,7 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	now := d.timeArg(a.now)
 	args := append(leaseArgs(d, a), now, scanWindow(a.limit), now, a.limit, now, a.limit, a.limit)
-	return query(ctx, db, runsSQL(t), args, scan)
-}
-
-// query runs one statement on db's pool and hands its rows to scan.
-func query(ctx context.Context, db *gorm.DB, q string, args []any, scan func(*sql.Rows) error) error {
-	res, err := db.Statement.ConnPool.QueryContext(ctx, q, args...)
-	if err != nil {
-		return err
-	}
-	defer res.Close()
-	return scan(res)
+	return queryScan(ctx, db.Statement.ConnPool, runsSQL(t), args, scan)
 }
 
 // runsSQL is the run claim. Its arguments: those of leaseSQL, then now,

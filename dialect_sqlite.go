@@ -100,7 +100,7 @@ func (sqliteDialect) rejectsData(error) bool { return false }
 func (d sqliteDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error {
 		args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-		return queryConn(ctx, conn, oldestSQL(t), args, scan)
+		return queryScan(ctx, conn, oldestSQL(t), args, scan)
 	})
 }
 
@@ -116,7 +116,7 @@ func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a c
 			return err
 		}
 		in, idArgs := d.idsIn(ids)
-		return queryConn(ctx, conn, leaseSQL(t, "id "+in, ""), append(leaseArgs(d, a), idArgs...), scan)
+		return queryScan(ctx, conn, leaseSQL(t, "id "+in, ""), append(leaseArgs(d, a), idArgs...), scan)
 	})
 }
 
@@ -152,19 +152,6 @@ func immediate(ctx context.Context, db *gorm.DB, fn func(conn *sql.Conn) error) 
 		return err
 	}
 	_, err = conn.ExecContext(ctx, "COMMIT")
-	return err
-}
-
-// queryConn runs one statement on conn and hands its rows to scan.
-func queryConn(ctx context.Context, conn *sql.Conn, q string, args []any, scan func(*sql.Rows) error) error {
-	res, err := conn.QueryContext(ctx, q, args...)
-	if err != nil {
-		return err
-	}
-	err = scan(res)
-	if cerr := res.Close(); err == nil {
-		err = cerr
-	}
 	return err
 }
 
