@@ -16,9 +16,9 @@ var errNoListen = errors.New("outbox: notifications not supported here")
 // reconnects by itself when it drops; the poll interval stays as a
 // fallback. Give the pool at least one connection more than the Runs that
 // listen on it; a pool limited to one connection is never listened on,
-// since listening would hold the connection every claim needs. On SQLite, or with a driver other than pgx, Run is woken
-// in-process instead, by writes through the plugin registered on the same
-// *gorm.DB.
+// since listening would hold the connection every claim needs. On SQLite,
+// or with a driver other than pgx, Run is woken in-process instead, by
+// writes through the plugin registered on the same *gorm.DB.
 func WithListen(enabled bool) DispatcherOption {
 	return func(d *Dispatcher) error {
 		d.listen = enabled
@@ -35,8 +35,9 @@ const followUp = 20 * time.Millisecond
 // while claims stop for want of room in the batch (more may be due), and
 // otherwise waits for a wake-up: a notification from a committing
 // transaction (see [WithListen]), a [Dispatcher.Notify], or the poll
-// interval (see [WithPollInterval]), whichever comes first. Bursts of wake-ups coalesce: a thousand commits
-// during one batch cause one more claim, not a thousand.
+// interval (see [WithPollInterval]), whichever comes first. Bursts of
+// wake-ups coalesce: a thousand commits during one batch cause one more
+// claim, not a thousand.
 //
 // Errors (a lost connection, a server restart) are logged and retried at
 // the poll interval: Run recovers by itself. When ctx ends, the batch in
