@@ -74,21 +74,27 @@ func holdFirstBatch(t *testing.T, db *gorm.DB, batch int) (held *recorder, relea
 	}
 }
 
-func TestClaimTakesTheEnginesDefaultBatches(t *testing.T) {
+func TestClaimBatchesByEngineAndMode(t *testing.T) {
 	for _, tc := range []struct {
+		name   string
 		engine outboxtest.Engine
+		byRuns bool
 		want   string
 	}{
 		// The four oldest events, then the rest.
-		{outboxtest.SQLite, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
+		{"SQLite, default claim", outboxtest.SQLite, false, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
 		// a's whole run and b's head, then the rest of b's run.
-		{outboxtest.Postgres, "[[a#1 b#1 a#2 a#3] [b#2 b#3]]"},
+		{"SQLite, by runs", outboxtest.SQLite, true, "[[a#1 b#1 a#2 a#3] [b#2 b#3]]"},
+		{"Postgres, default claim", outboxtest.Postgres, false, "[[a#1 b#1 a#2 a#3] [b#2 b#3]]"},
 	} {
-		t.Run(string(tc.engine), func(t *testing.T) {
+		t.Run(tc.name, func(t *testing.T) {
 			b := setup(t, tc.engine, nil)
 			publishInterleaved(t, b.db, 3, "a", "b")
 			rec := &recorder{}
 			d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
+			if tc.byRuns {
+				outbox.ClaimByRuns(d)
+			}
 			dispatch(t, d)
 			dispatch(t, d)
 			// A batch lists its messages oldest first.
@@ -97,21 +103,6 @@ func TestClaimTakesTheEnginesDefaultBatches(t *testing.T) {
 			}
 		})
 	}
-}
-
-func TestClaimByRunsTakesTheRunsOfTheOldestHeads(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		publishInterleaved(t, b.db, 3, "a", "b")
-		rec := &recorder{}
-		d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
-		outbox.ClaimByRuns(d)
-		dispatch(t, d)
-		dispatch(t, d)
-		if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 b#1 a#2 a#3] [b#2 b#3]]" {
-			t.Fatalf("batches %s, want a's whole run and b's head, then the rest of b's run", got)
-		}
-	})
 }
 
 func TestClaimStopsWhereOrderWouldBreak(t *testing.T) {
