@@ -194,3 +194,12 @@ func (postgresDialect) rejectsData(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
+
+// notifyCommitted notifies t's channel in a transaction of its own. The
+// transaction commits asynchronously: it carries no data, so its commit
+// need not wait for a WAL flush, and listeners are signalled at commit
+// either way.
+func (postgresDialect) notifyCommitted(ctx context.Context, pool *sql.DB, t tables) error {
+	_, err := pool.ExecContext(ctx, `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, '')`, t.name)
+	return err
+}

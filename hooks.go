@@ -9,20 +9,24 @@ import (
 	"gorm.io/gorm"
 )
 
-// registerCallbacks adds two callbacks to each of GORM's write chains:
+// registerCallbacks adds four callbacks to each of GORM's write chains:
 //
+//   - outbox:begin_* runs first (before gorm:begin_transaction, which is
+//     not registered at all under SkipDefaultTransaction). For a
+//     statement on an emitting model that does not run in the caller's
+//     transaction, it opens the statement's transaction itself, in place of
+//     GORM's default one (which then sees a transaction and opens none), so
+//     that the plugin sees its commit.
 //   - outbox:before_* runs just before GORM's before-hooks. It refuses
 //     writes on emitting models that it could not describe (bulk writes by
-//     condition, creates from maps) before anything is written, and, when
-//     the statement has no transaction (SkipDefaultTransaction), opens one.
+//     condition, creates from maps) before anything is written.
 //   - outbox:after_* runs after GORM's after-hooks and just before
 //     gorm:commit_or_rollback_transaction, so that its rows go through the
 //     statement's own transaction. (A callback registered only After the
 //     write would be appended after the commit and write outside it.) It
-//     asks the models for their events and writes them; if outbox:before_*
+//     asks the models for their events and writes them; if outbox:begin_*
 //     opened the transaction, it commits or rolls it back.
-//   - outbox:nudge_* runs after the commit and wakes the dispatchers of this
-//     process that have no notification listener.
+//   - outbox:committed_* runs last and wakes the dispatchers (see wake.go).
 func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 	type registerer interface {
 		Register(name string, fn func(*gorm.DB)) error
@@ -33,15 +37,18 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 		at   registerer
 		fn   func(*gorm.DB)
 	}{
+		{"outbox:begin_create", cb.Create().Before("*"), p.begin},
 		{"outbox:before_create", cb.Create().Before("gorm:before_create"), p.before(OpCreate)},
 		{"outbox:after_create", cb.Create().Before("gorm:commit_or_rollback_transaction"), p.after(OpCreate)},
+		{"outbox:begin_update", cb.Update().Before("*"), p.begin},
 		{"outbox:before_update", cb.Update().Before("gorm:before_update"), p.before(OpUpdate)},
 		{"outbox:after_update", cb.Update().Before("gorm:commit_or_rollback_transaction"), p.after(OpUpdate)},
+		{"outbox:begin_delete", cb.Delete().Before("*"), p.begin},
 		{"outbox:before_delete", cb.Delete().Before("gorm:before_delete"), p.before(OpDelete)},
 		{"outbox:after_delete", cb.Delete().Before("gorm:commit_or_rollback_transaction"), p.after(OpDelete)},
-		{"outbox:nudge_create", cb.Create().After("gorm:commit_or_rollback_transaction"), p.nudge},
-		{"outbox:nudge_update", cb.Update().After("gorm:commit_or_rollback_transaction"), p.nudge},
-		{"outbox:nudge_delete", cb.Delete().After("gorm:commit_or_rollback_transaction"), p.nudge},
+		{"outbox:committed_create", cb.Create().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
+		{"outbox:committed_update", cb.Update().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
+		{"outbox:committed_delete", cb.Delete().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
 	} {
 		if err := c.at.Register(c.name, c.fn); err != nil {
 			return fmt.Errorf("outbox: register callback %s: %w", c.name, err)
@@ -53,15 +60,51 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 const (
 	startedTxKey = "outbox:started_transaction"
 	wroteKey     = "outbox:wrote_events"
+	notifiedKey  = "outbox:notified_inside"
 )
 
-// nudge wakes in-process dispatchers once a statement that wrote events has
-// committed. Inside an explicit transaction, whose commit no callback sees,
-// it fires before the commit; Dispatcher.Run then looks again shortly.
-func (p *OutboxPlugin) nudge(db *gorm.DB) {
-	if _, wrote := db.InstanceGet(wroteKey); wrote && db.Error == nil {
+// committedCallback wakes the dispatchers once a statement that wrote
+// events has committed. Inside the caller's transaction, whose commit no
+// callback sees, it can only nudge this process's dispatchers, before the
+// commit (Dispatcher.Run then looks again shortly); the write itself asked
+// PostgreSQL to notify the others at commit.
+func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
+	if _, wrote := db.InstanceGet(wroteKey); !wrote || db.Error != nil {
+		return
+	}
+	if ownTransaction(db) {
+		_, inside := db.InstanceGet(notifiedKey)
+		p.committed(db, inside)
+	} else {
 		p.wake()
 	}
+}
+
+// ownTransaction reports whether outbox:begin_* opened db's transaction.
+func ownTransaction(db *gorm.DB) bool {
+	_, ok := db.InstanceGet(startedTxKey)
+	return ok
+}
+
+func (p *OutboxPlugin) begin(db *gorm.DB) {
+	if db.Error != nil || eventsSkipped(db) {
+		return
+	}
+	stmt := db.Statement
+	if stmt.Schema == nil || p.emitterFor(stmt.Schema.ModelType) == nil {
+		return
+	}
+	if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
+		return
+	}
+	tx := db.Begin()
+	if tx.Error != nil {
+		_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
+		return
+	}
+	stmt.ConnPool = tx.Statement.ConnPool
+	db.InstanceSet(startedTxKey, true)
+	p.ownInFlight.Add(1)
 }
 
 func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
@@ -75,24 +118,13 @@ func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 		}
 		if err := describable(stmt, op); err != nil {
 			_ = db.AddError(err)
-			return
 		}
-		if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
-			return
-		}
-		tx := db.Begin()
-		if tx.Error != nil {
-			_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
-			return
-		}
-		stmt.ConnPool = tx.Statement.ConnPool
-		db.InstanceSet(startedTxKey, true)
 	}
 }
 
 func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 	return func(db *gorm.DB) {
-		defer finishTransaction(db)
+		defer p.finishTransaction(db)
 		if db.Error != nil || eventsSkipped(db) {
 			return
 		}
@@ -118,8 +150,12 @@ func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 			events = append(events, evs...)
 			return nil
 		})
+		inside := p.notifyInside(db, ownTransaction(db))
 		if err == nil {
-			err = p.write(stmt.Context, db, stmt.ConnPool, events)
+			err = p.write(stmt.Context, db, stmt.ConnPool, events, inside)
+		}
+		if inside {
+			db.InstanceSet(notifiedKey, true)
 		}
 		if err != nil {
 			_ = db.AddError(err)
@@ -130,11 +166,12 @@ func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 }
 
 // finishTransaction commits or rolls back the transaction that
-// outbox:before_* opened, if it did.
-func finishTransaction(db *gorm.DB) {
+// outbox:begin_* opened, if it did.
+func (p *OutboxPlugin) finishTransaction(db *gorm.DB) {
 	if _, ok := db.InstanceGet(startedTxKey); !ok {
 		return
 	}
+	defer p.ownInFlight.Add(-1)
 	if db.Error != nil {
 		db.Rollback()
 	} else {
@@ -200,8 +237,9 @@ func eachModel(rv reflect.Value, fn func(reflect.Value) error) error {
 }
 
 // write validates and encodes every event first, so that a bad one writes
-// nothing, then stores them through conn in order.
-func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPool, events []Event) error {
+// nothing, then stores them through conn in order. With notify, it also
+// asks the engine to notify listeners when the transaction commits.
+func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPool, events []Event, notify bool) error {
 	if len(events) == 0 {
 		return nil
 	}
@@ -219,8 +257,7 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 	for i := range encoded {
 		// One notification per transaction is enough: PostgreSQL folds
 		// identical ones, but sending it once saves the work.
-		notify := p.notify && i == 0
-		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify); err != nil {
+		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify && i == 0); err != nil {
 			e := &encoded[i]
 			if d.rejectsData(err) {
 				return fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, e.typ, err)

@@ -2,10 +2,16 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
@@ -63,13 +69,165 @@ func TestCommitWakesRunWithoutPolling(t *testing.T) {
 	})
 }
 
+// notifySetup is setup on PostgreSQL with an outbox table, and so a
+// notification channel, of the test's own: the channel belongs to the
+// database, which tests running beside this one (in this package and
+// others) share.
+func notifySetup(t *testing.T, cfg *gorm.Config, opts ...outbox.Option) bundle {
+	t.Helper()
+	table := fmt.Sprintf("outbox_notify_%d_%d", os.Getpid(), notifyTables.Add(1))
+	return setup(t, outboxtest.Postgres, cfg, append([]outbox.Option{outbox.WithTable(table)}, opts...)...)
+}
+
+var notifyTables atomic.Int64
+
+// withPlugin opens another pool on b's database with a plugin of its own
+// on b's table, so that only notifications, not b's in-process wake-ups,
+// reach a dispatcher on it.
+func withPlugin(t *testing.T, b bundle) *gorm.DB {
+	t.Helper()
+	db := outboxtest.Reopen(t, b.info, nil)
+	mustNil(t, db.Use(outbox.Plugin(outbox.WithTable(b.plugin.Table()))))
+	return db
+}
+
+// eventWrites are the ways events reach the outbox, and whether the plugin
+// sees each one's commit.
+var eventWrites = []struct {
+	name       string
+	cfg        *gorm.Config
+	write      func(db *gorm.DB, status string) error
+	seesCommit bool
+}{
+	{"CreateInGORMsTransaction", nil, func(db *gorm.DB, status string) error {
+		return db.Create(&Order{Status: status}).Error
+	}, true},
+	{"CreateWithSkipDefaultTransaction", &gorm.Config{SkipDefaultTransaction: true}, func(db *gorm.DB, status string) error {
+		return db.Create(&Order{Status: status}).Error
+	}, true},
+	{"CreateWithPreparedStatements", &gorm.Config{PrepareStmt: true}, func(db *gorm.DB, status string) error {
+		return db.Create(&Order{Status: status}).Error
+	}, true},
+	{"CreateInTheCallersTransaction", nil, func(db *gorm.DB, status string) error {
+		return db.Transaction(func(tx *gorm.DB) error { return tx.Create(&Order{Status: status}).Error })
+	}, false},
+	{"Publish", nil, func(db *gorm.DB, status string) error {
+		return outbox.Publish(db, outbox.Event{Type: "t", AggregateType: "a", AggregateID: status})
+	}, true},
+	{"PublishInTheCallersTransaction", nil, func(db *gorm.DB, status string) error {
+		return db.Transaction(func(tx *gorm.DB) error {
+			return outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "a", AggregateID: status})
+		})
+	}, false},
+}
+
+func TestCommitWakesRunOnAnotherPoolByNotification(t *testing.T) {
+	for _, w := range eventWrites {
+		t.Run(w.name, func(t *testing.T) {
+			t.Parallel()
+			b := notifySetup(t, w.cfg)
+			got, stop := runWithoutPolling(t, withPlugin(t, b))
+			defer stop()
+			mustNil(t, w.write(b.db, "a"))
+			awaitMessage(t, got, w.name)
+		})
+	}
+}
+
+// writerPIDs records, by order status, the backend that created each order
+// in its transaction; a create of status "held" waits in its transaction
+// until release is closed. It also makes db's pool keep no idle
+// connection, so that a backend that sends a notification after a commit
+// is never the one that wrote.
+func writerPIDs(t *testing.T, db *gorm.DB, release <-chan struct{}) *sync.Map {
+	t.Helper()
+	sqlDB, err := db.DB()
+	mustNil(t, err)
+	sqlDB.SetMaxIdleConns(0)
+	var pids sync.Map
+	mustNil(t, db.Callback().Create().Before("gorm:after_create").Register("test:writer_pid", func(db *gorm.DB) {
+		o, ok := db.Statement.Dest.(*Order)
+		if !ok {
+			return
+		}
+		var pid uint32
+		mustNil(t, db.Statement.ConnPool.QueryRowContext(db.Statement.Context, "SELECT pg_backend_pid()").Scan(&pid))
+		pids.Store(o.Status, pid)
+		if o.Status == "held" {
+			<-release
+		}
+	}))
+	return &pids
+}
+
+func awaitNotification(t *testing.T, conn *pgx.Conn) *pgconn.Notification {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	n, err := conn.WaitForNotification(ctx)
+	mustNil(t, err)
+	return n
+}
+
+func TestALoneTransactionNotifiesAtItsOwnCommit(t *testing.T) {
+	for _, w := range eventWrites {
+		if strings.HasPrefix(w.name, "Publish") {
+			continue // no create callback reports the writing backend
+		}
+		t.Run(w.name, func(t *testing.T) {
+			t.Parallel()
+			b := notifySetup(t, w.cfg)
+			pids := writerPIDs(t, b.db, nil)
+			conn := listenConn(t, b)
+			mustNil(t, w.write(b.db, "alone"))
+			n := awaitNotification(t, conn)
+			if writer, _ := pids.Load("alone"); n.PID != writer {
+				t.Fatalf("notification from backend %d, want it from the writer %d", n.PID, writer)
+			}
+		})
+	}
+}
+
+// TestConcurrentTransactionsLeaveTheNotificationToTheNotifier: with another
+// transaction of the plugin's open, a transaction whose commit the plugin
+// sees does not notify itself (so that the two would not commit one after
+// the other); the notifier does, from another backend, after the commit.
+func TestConcurrentTransactionsLeaveTheNotificationToTheNotifier(t *testing.T) {
+	for _, w := range eventWrites {
+		if !w.seesCommit || strings.HasPrefix(w.name, "Publish") {
+			continue
+		}
+		t.Run(w.name, func(t *testing.T) {
+			t.Parallel()
+			b := notifySetup(t, w.cfg)
+			release := make(chan struct{})
+			pids := writerPIDs(t, b.db, release)
+			conn := listenConn(t, b)
+			held := make(chan error, 1)
+			go func() { held <- w.write(b.db, "held") }()
+			defer func() {
+				close(release)
+				if err := <-held; err != nil {
+					t.Errorf("the held transaction: %v", err)
+				}
+			}()
+			outboxtest.WaitUntil(t, func() bool { _, ok := pids.Load("held"); return ok }, "the held transaction to write")
+			mustNil(t, w.write(b.db, "concurrent"))
+			n := awaitNotification(t, conn)
+			if writer, _ := pids.Load("concurrent"); n.PID == writer {
+				t.Fatalf("notification from the writer %d, want it from another backend", writer)
+			}
+		})
+	}
+}
+
 func TestListenerReconnectsAfterItsConnectionIsKilled(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
+	b := notifySetup(t, nil)
 	got, stop := runWithoutPolling(t, b.db)
 	defer stop()
 	var killed int64
 	mustNil(t, b.db.Raw(`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()
-		AND datname = current_database() AND backend_type = 'client backend' AND query LIKE '%outbox_records%'`).Scan(&killed).Error)
+		AND datname = current_database() AND backend_type = 'client backend' AND query LIKE '%' || ? || '%'`, b.plugin.Table()).Scan(&killed).Error)
 	if killed == 0 {
 		t.Fatal("found no listening connection to kill")
 	}
@@ -78,9 +236,9 @@ func TestListenerReconnectsAfterItsConnectionIsKilled(t *testing.T) {
 }
 
 func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
+	b := notifySetup(t, nil)
 	ctx := context.Background()
-	conn := listenConn(t, b.info.DSN)
+	conn := listenConn(t, b)
 	count := func() int {
 		n := 0
 		for {
@@ -100,6 +258,14 @@ func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 	if n := count(); n != 0 {
 		t.Fatalf("%d notifications for a rolled-back transaction, want 0", n)
 	}
+	mustNil(t, b.db.Create(&Order{ID: 1_000_000, Status: "first"}).Error)
+	if n := count(); n != 1 {
+		t.Fatalf("%d notifications for a create in GORM's transaction, want 1", n)
+	}
+	mustErr(t, b.db.Create(&Order{ID: 1_000_000, Status: "duplicate key"}).Error)
+	if n := count(); n != 0 {
+		t.Fatalf("%d notifications for a create whose own transaction rolled back, want 0", n)
+	}
 	mustNil(t, b.db.Transaction(func(tx *gorm.DB) error {
 		for range 10 {
 			if err := tx.Create(&Order{Status: "one of ten"}).Error; err != nil {
@@ -114,9 +280,9 @@ func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 }
 
 func TestWithNotifyFalseSendsNoNotification(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil, outbox.WithNotify(false))
+	b := notifySetup(t, nil, outbox.WithNotify(false))
 	ctx := context.Background()
-	conn := listenConn(t, b.info.DSN)
+	conn := listenConn(t, b)
 	mustNil(t, b.db.Create(&Order{Status: "quiet"}).Error)
 	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
@@ -125,15 +291,15 @@ func TestWithNotifyFalseSendsNoNotification(t *testing.T) {
 	}
 }
 
-// listenConn returns a connection of its own that listens on the outbox
-// table's channel.
-func listenConn(t *testing.T, dsn string) *pgx.Conn {
+// listenConn returns a connection of its own that listens on the channel
+// of b's outbox table.
+func listenConn(t *testing.T, b bundle) *pgx.Conn {
 	t.Helper()
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dsn)
+	conn, err := pgx.Connect(ctx, b.info.DSN)
 	mustNil(t, err)
 	t.Cleanup(func() { conn.Close(ctx) })
-	_, err = conn.Exec(ctx, `LISTEN "outbox_records"`)
+	_, err = conn.Exec(ctx, `LISTEN "`+b.plugin.Table()+`"`)
 	mustNil(t, err)
 	return conn
 }

@@ -1,11 +1,13 @@
 package outbox
 
 import (
+	"database/sql"
 	"fmt"
 	"reflect"
 	"regexp"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"gorm.io/gorm"
 )
@@ -35,9 +37,12 @@ type OutboxPlugin struct {
 	notify bool
 	err    error // an invalid option, reported by Initialize
 
-	mu       sync.RWMutex
-	emitters map[reflect.Type]func(model any, op Op) ([]Event, error)
-	wakers   map[*func()]struct{}
+	mu        sync.RWMutex
+	emitters  map[reflect.Type]func(model any, op Op) ([]Event, error)
+	wakers    map[*func()]struct{}
+	notifiers map[*sql.DB]*notifier
+
+	ownInFlight atomic.Int64 // transactions the plugin opened and has not finished
 }
 
 // Option configures a [Plugin].
@@ -63,12 +68,17 @@ func WithTable(name string) Option {
 	}
 }
 
-// WithNotify sets whether a transaction that writes events also sends a
-// PostgreSQL notification on the channel named like the table, so that a
-// listening [Dispatcher.Run] dispatches as soon as it commits (default
-// true). The notification is part of the transaction: PostgreSQL sends it
-// only at commit, never for a rollback, and sends one per transaction
-// however many events it wrote. It has no effect on SQLite.
+// WithNotify sets whether writes of events send a PostgreSQL notification
+// on the channel named like the table, so that a listening [Dispatcher.Run]
+// dispatches as soon as they commit (default true). A notification is sent
+// only once its events are committed, never for a rollback, and at most
+// once per transaction. A transaction notifies at its own commit when it
+// runs in the caller's transaction (whose commit the plugin cannot see) or
+// is the only one the plugin has open; when several that the plugin opened
+// overlap (GORM's per-statement transactions, Publish outside a
+// transaction), a notifier sends one notification for them after their
+// commits, at most one per 5 ms, from a connection of the pool, so that
+// they are not made to commit one at a time. It has no effect on SQLite.
 func WithNotify(enabled bool) Option {
 	return func(p *OutboxPlugin) error {
 		p.notify = enabled
@@ -95,6 +105,8 @@ func Plugin(opts ...Option) *OutboxPlugin {
 		notify:   true,
 		emitters: make(map[reflect.Type]func(any, Op) ([]Event, error)),
 		wakers:   make(map[*func()]struct{}),
+
+		notifiers: make(map[*sql.DB]*notifier),
 	}
 	for _, opt := range opts {
 		if err := opt(p); err != nil && p.err == nil {
@@ -184,28 +196,4 @@ func pluginOf(db *gorm.DB) (*OutboxPlugin, error) {
 		}
 	}
 	return nil, ErrPluginNotRegistered
-}
-
-// addWaker registers wake to be called after events are written through
-// the plugin, for dispatchers in this process that have no notification
-// listener. It returns the function that unregisters it.
-func (p *OutboxPlugin) addWaker(wake func()) (remove func()) {
-	key := &wake
-	p.mu.Lock()
-	p.wakers[key] = struct{}{}
-	p.mu.Unlock()
-	return func() {
-		p.mu.Lock()
-		delete(p.wakers, key)
-		p.mu.Unlock()
-	}
-}
-
-// wake nudges the in-process dispatchers; each nudge is non-blocking.
-func (p *OutboxPlugin) wake() {
-	p.mu.RLock()
-	defer p.mu.RUnlock()
-	for w := range p.wakers {
-		(*w)()
-	}
 }

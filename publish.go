@@ -26,15 +26,21 @@ func Publish(tx *gorm.DB, events ...Event) error {
 	if len(events) == 0 {
 		return nil
 	}
-	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); !inTx {
-		err = tx.Transaction(func(tx *gorm.DB) error {
-			return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events)
-		})
-	} else {
-		err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events)
+	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); inTx {
+		err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, p.notifyInside(tx, false))
+		if err == nil {
+			p.wake()
+		}
+		return err
 	}
+	p.ownInFlight.Add(1)
+	defer p.ownInFlight.Add(-1)
+	inside := p.notifyInside(tx, true)
+	err = tx.Transaction(func(tx *gorm.DB) error {
+		return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, inside)
+	})
 	if err == nil {
-		p.wake()
+		p.committed(tx, inside)
 	}
 	return err
 }

@@ -10,7 +10,7 @@ import (
 var errNoListen = errors.New("outbox: notifications not supported here")
 
 // WithListen sets whether [Dispatcher.Run] listens for the notifications
-// that writing transactions send at commit (see [WithNotify]) and
+// that writes send when they commit (see [WithNotify]) and
 // dispatches at once, instead of only polling (default true). Listening
 // holds one connection of the *gorm.DB's pool for the lifetime of Run and
 // reconnects by itself when it drops; the poll interval stays as a

@@ -170,3 +170,16 @@ func closeDB(db *gorm.DB) {
 		sqlDB.Close()
 	}
 }
+
+// WaitUntil polls cond every millisecond and fails t if it does not hold
+// within ten seconds; what names the awaited condition in the failure.
+func WaitUntil(t testing.TB, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

@@ -1,0 +1,195 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"sync"
+	"time"
+
+	"gorm.io/gorm"
+)
+
+// Wake-ups. A dispatcher polls, but it also learns at once that events were
+// committed, in three ways:
+//
+//   - In-process: the plugin calls the wakers of this process's dispatchers
+//     (addWaker) after a write through it.
+//   - Notification inside the transaction: the write asks PostgreSQL to
+//     notify when its transaction commits.
+//   - Notification after the commit: a notifier sends one notification
+//     from a connection of its own once the commit has returned, for
+//     transactions whose commit the plugin sees (a statement in GORM's
+//     default transaction or in one the plugin opened, or Publish outside a
+//     transaction).
+//
+// Either comes only after the events are visible, and never for a
+// rollback. A transaction notifies inside when the plugin cannot see its
+// commit (the caller's transaction) or when it is the only transaction the
+// plugin has open; otherwise the notifier does it. PostgreSQL serialises
+// the commits of transactions that notify: each holds a database-wide lock
+// from its notification until its commit is flushed, so eight clients that
+// all notify commit one at a time and lose group commit. The notifier sends
+// from outside the business transactions, once per burst, so that they
+// commit side by side; a lone transaction notifies inside, where it costs
+// nothing, while the notifier's separate transactions would cost a seventh
+// of the throughput at one client (README, "Performance").
+
+// addWaker registers wake to be called after events are written through
+// the plugin, for dispatchers in this process that have no notification
+// listener. It returns the function that unregisters it.
+func (p *OutboxPlugin) addWaker(wake func()) (remove func()) {
+	key := &wake
+	p.mu.Lock()
+	p.wakers[key] = struct{}{}
+	p.mu.Unlock()
+	return func() {
+		p.mu.Lock()
+		delete(p.wakers, key)
+		p.mu.Unlock()
+	}
+}
+
+// wake nudges the in-process dispatchers; each nudge is non-blocking.
+func (p *OutboxPlugin) wake() {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	for w := range p.wakers {
+		(*w)()
+	}
+}
+
+// committed wakes the dispatchers after a transaction that the plugin saw
+// commit wrote events through db: those of this process directly, the
+// others through db's notifier, unless the transaction notified at its
+// commit itself.
+func (p *OutboxPlugin) committed(db *gorm.DB, notifiedInside bool) {
+	p.wake()
+	if notifiedInside {
+		return
+	}
+	if n := p.notifierFor(db); n != nil {
+		n.signal()
+	}
+}
+
+// notifyInside reports whether a write through db asks the engine to notify
+// at its transaction's commit, rather than leave it to the notifier after
+// the commit. It does when notifications are on and either the plugin will
+// not see the commit (own is false: the caller's transaction) or no other
+// transaction that the plugin opened is in flight. A lone transaction
+// notifies at no extra cost; among concurrent ones, the notifier keeps
+// their commits from being serialised.
+func (p *OutboxPlugin) notifyInside(db *gorm.DB, own bool) bool {
+	if !p.notify {
+		return false
+	}
+	return !own || p.ownInFlight.Load() <= 1 || p.notifierFor(db) == nil
+}
+
+// notifierFor returns the notifier of db's connection pool, creating it on
+// first use, or nil when notifications are off, the engine has none, or
+// the pool is not a *sql.DB that the notifier could use.
+func (p *OutboxPlugin) notifierFor(db *gorm.DB) *notifier {
+	if !p.notify {
+		return nil
+	}
+	d, err := dialectOf(db)
+	if err != nil {
+		return nil
+	}
+	cn, ok := d.(commitNotifier)
+	if !ok {
+		return nil
+	}
+	pool, err := db.DB()
+	if err != nil {
+		return nil
+	}
+	p.mu.RLock()
+	n := p.notifiers[pool]
+	p.mu.RUnlock()
+	if n != nil {
+		return n
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if n = p.notifiers[pool]; n == nil {
+		t := p.tables
+		n = &notifier{
+			send: func(ctx context.Context) error { return cn.notifyCommitted(ctx, pool, t) },
+			gap:  notifyGap,
+		}
+		p.notifiers[pool] = n
+	}
+	return n
+}
+
+// notifyTimeout bounds one notification after a commit. A notification
+// that fails or times out is not retried: it is a wake-up, not an event,
+// and the dispatchers' poll finds the events anyway, as it does for any
+// notification missed while a listener reconnects.
+const notifyTimeout = 5 * time.Second
+
+// notifyGap paces the notifications after commits. A dispatcher that is
+// woken claims everything committed so far, and wake-ups during its claim
+// coalesce into one more claim, so a faster pace would only load the
+// server. Measured with eight writing clients (bench, write): a
+// notification per commit cost about a sixth of the write throughput, one
+// per millisecond about a fourteenth, one per 5 ms nothing measurable. It
+// delays a wake-up by 5 ms at most, and only during a burst.
+const notifyGap = 5 * time.Millisecond
+
+// notifier sends a notification after commits, coalescing bursts: at most
+// one send is in flight and at most one waits, so a thousand commits during
+// one send cause one more send, not a thousand. Every signal is followed by
+// a send that starts after it. The sending goroutine exists only while
+// there is something to send.
+type notifier struct {
+	send func(context.Context) error
+	gap  time.Duration // the least time from the start of one send to the next
+
+	mu      sync.Mutex
+	pending bool // a signal came after the last send started
+	running bool // the sending goroutine is alive
+}
+
+// signal asks for a notification after the commit that has just returned.
+// It never blocks on the database.
+func (n *notifier) signal() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.pending = true
+	if !n.running {
+		n.running = true
+		go n.loop()
+	}
+}
+
+func (n *notifier) loop() {
+	var last time.Time
+	for {
+		if wait := n.gap - time.Since(last); wait > 0 {
+			time.Sleep(wait)
+		}
+		n.mu.Lock()
+		if !n.pending {
+			n.running = false
+			n.mu.Unlock()
+			return
+		}
+		n.pending = false
+		n.mu.Unlock()
+		last = time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), notifyTimeout)
+		_ = n.send(ctx) // see notifyTimeout
+		cancel()
+	}
+}
+
+// commitNotifier is a dialect whose engine can tell listeners, from any
+// connection, that events were committed. PostgreSQL is one.
+type commitNotifier interface {
+	// notifyCommitted sends one notification on t's channel through pool,
+	// in a transaction of its own.
+	notifyCommitted(ctx context.Context, pool *sql.DB, t tables) error
+}
