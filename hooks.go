@@ -9,24 +9,25 @@ import (
 	"gorm.io/gorm"
 )
 
-// registerCallbacks adds four callbacks to each of GORM's write chains:
+// registerCallbacks adds three callbacks to each of GORM's write chains:
 //
-//   - outbox:begin_* runs first (before gorm:begin_transaction, which is
-//     not registered at all under SkipDefaultTransaction). For a
-//     statement on an emitting model that does not run in the caller's
-//     transaction, it opens the statement's transaction itself, in place of
-//     GORM's default one (which then sees a transaction and opens none), so
-//     that the plugin sees its commit.
-//   - outbox:before_* runs just before GORM's before-hooks. It refuses
-//     writes on emitting models that it could not describe (bulk writes by
-//     condition, creates from maps) before anything is written.
+//   - outbox:before_* runs just before GORM's before-hooks, after
+//     gorm:begin_transaction. It refuses writes on emitting models that it
+//     could not describe (bulk writes by condition, creates from maps)
+//     before anything is written, and, when the statement has no
+//     transaction (SkipDefaultTransaction), opens one.
 //   - outbox:after_* runs after GORM's after-hooks and just before
 //     gorm:commit_or_rollback_transaction, so that its rows go through the
 //     statement's own transaction. (A callback registered only After the
 //     write would be appended after the commit and write outside it.) It
-//     asks the models for their events and writes them; if outbox:begin_*
+//     asks the models for their events and writes them; if outbox:before_*
 //     opened the transaction, it commits or rolls it back.
-//   - outbox:committed_* runs last and wakes the dispatchers (see wake.go).
+//   - outbox:committed_* runs after gorm:commit_or_rollback_transaction and
+//     wakes the dispatchers (see wake.go).
+//
+// What they learn about a statement travels in a writeState, which
+// outbox:before_* replaces for every statement: GORM reuses a Statement,
+// and its instance settings, when one *gorm.DB runs several.
 func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 	type registerer interface {
 		Register(name string, fn func(*gorm.DB)) error
@@ -37,13 +38,10 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 		at   registerer
 		fn   func(*gorm.DB)
 	}{
-		{"outbox:begin_create", cb.Create().Before("*"), p.begin},
 		{"outbox:before_create", cb.Create().Before("gorm:before_create"), p.before(OpCreate)},
 		{"outbox:after_create", cb.Create().Before("gorm:commit_or_rollback_transaction"), p.after(OpCreate)},
-		{"outbox:begin_update", cb.Update().Before("*"), p.begin},
 		{"outbox:before_update", cb.Update().Before("gorm:before_update"), p.before(OpUpdate)},
 		{"outbox:after_update", cb.Update().Before("gorm:commit_or_rollback_transaction"), p.after(OpUpdate)},
-		{"outbox:begin_delete", cb.Delete().Before("*"), p.begin},
 		{"outbox:before_delete", cb.Delete().Before("gorm:before_delete"), p.before(OpDelete)},
 		{"outbox:after_delete", cb.Delete().Before("gorm:commit_or_rollback_transaction"), p.after(OpDelete)},
 		{"outbox:committed_create", cb.Create().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
@@ -57,11 +55,30 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 	return nil
 }
 
+// writeState is what the callbacks know of one statement on an emitting
+// model.
+type writeState struct {
+	own      bool      // the statement's own transaction: GORM's default one, or opened
+	opened   bool      // outbox:before_* opened it (SkipDefaultTransaction)
+	counted  bool      // counted in OutboxPlugin.ownInFlight
+	wrote    bool      // events were written
+	inside   bool      // the transaction was asked to notify at its commit
+	notifier *notifier // sends the notification after the commit, if any
+}
+
 const (
-	startedTxKey = "outbox:started_transaction"
-	wroteKey     = "outbox:wrote_events"
-	notifiedKey  = "outbox:notified_inside"
+	stateKey = "outbox:write_state"
+	// gormStartedTxKey is the instance setting by which GORM's
+	// gorm:begin_transaction marks a statement whose transaction it opened
+	// (and gorm:commit_or_rollback_transaction will end).
+	gormStartedTxKey = "gorm:started_transaction"
 )
+
+func stateOf(db *gorm.DB) *writeState {
+	v, _ := db.InstanceGet(stateKey)
+	st, _ := v.(*writeState)
+	return st
+}
 
 // committedCallback wakes the dispatchers once a statement that wrote
 // events has committed. Inside the caller's transaction, whose commit no
@@ -69,46 +86,24 @@ const (
 // commit (Dispatcher.Run then looks again shortly); the write itself asked
 // PostgreSQL to notify the others at commit.
 func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
-	if _, wrote := db.InstanceGet(wroteKey); !wrote || db.Error != nil {
+	st := stateOf(db)
+	if st == nil {
 		return
 	}
-	if ownTransaction(db) {
-		_, inside := db.InstanceGet(notifiedKey)
-		p.committed(db, inside)
+	p.uncount(st)
+	if !st.wrote || db.Error != nil {
+		return
+	}
+	if st.own {
+		p.committed(st.notifier, st.inside)
 	} else {
 		p.wake()
 	}
 }
 
-// ownTransaction reports whether outbox:begin_* opened db's transaction.
-func ownTransaction(db *gorm.DB) bool {
-	_, ok := db.InstanceGet(startedTxKey)
-	return ok
-}
-
-func (p *OutboxPlugin) begin(db *gorm.DB) {
-	if db.Error != nil || eventsSkipped(db) {
-		return
-	}
-	stmt := db.Statement
-	if stmt.Schema == nil || p.emitterFor(stmt.Schema.ModelType) == nil {
-		return
-	}
-	if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
-		return
-	}
-	tx := db.Begin()
-	if tx.Error != nil {
-		_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
-		return
-	}
-	stmt.ConnPool = tx.Statement.ConnPool
-	db.InstanceSet(startedTxKey, true)
-	p.ownInFlight.Add(1)
-}
-
 func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 	return func(db *gorm.DB) {
+		db.InstanceSet(stateKey, (*writeState)(nil))
 		if db.Error != nil || eventsSkipped(db) {
 			return
 		}
@@ -118,24 +113,39 @@ func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 		}
 		if err := describable(stmt, op); err != nil {
 			_ = db.AddError(err)
+			return
 		}
+		st := &writeState{}
+		db.InstanceSet(stateKey, st)
+		if _, started := db.InstanceGet(gormStartedTxKey); started {
+			st.own = true
+			return
+		}
+		if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
+			return
+		}
+		tx := db.Begin()
+		if tx.Error != nil {
+			_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
+			return
+		}
+		stmt.ConnPool = tx.Statement.ConnPool
+		st.own, st.opened = true, true
 	}
 }
 
 func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 	return func(db *gorm.DB) {
-		defer p.finishTransaction(db)
-		if db.Error != nil || eventsSkipped(db) {
+		st := stateOf(db)
+		if st == nil {
+			return
+		}
+		defer p.finishTransaction(db, st)
+		if db.Error != nil {
 			return
 		}
 		stmt := db.Statement
-		if stmt.Schema == nil {
-			return
-		}
 		emit := p.emitterFor(stmt.Schema.ModelType)
-		if emit == nil {
-			return
-		}
 		// An update or delete of one identified row that matched nothing
 		// changed nothing, so there is no fact to report.
 		if op != OpCreate && stmt.ReflectValue.Kind() == reflect.Struct && db.RowsAffected == 0 {
@@ -150,34 +160,53 @@ func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 			events = append(events, evs...)
 			return nil
 		})
-		inside := p.notifyInside(db, ownTransaction(db))
-		if err == nil {
-			err = p.write(stmt.Context, db, stmt.ConnPool, events, inside)
-		}
-		if inside {
-			db.InstanceSet(notifiedKey, true)
+		if err == nil && len(events) > 0 {
+			if st.own {
+				p.ownInFlight.Add(1)
+				st.counted = true
+				st.notifier = p.notifierFor(db)
+			}
+			st.inside = p.notifyInside(st.notifier, st.own)
+			err = p.write(stmt.Context, db, stmt.ConnPool, events, st.inside)
 		}
 		if err != nil {
 			_ = db.AddError(err)
 		} else if len(events) > 0 {
-			db.InstanceSet(wroteKey, true)
+			st.wrote = true
 		}
 	}
 }
 
 // finishTransaction commits or rolls back the transaction that
-// outbox:begin_* opened, if it did.
-func (p *OutboxPlugin) finishTransaction(db *gorm.DB) {
-	if _, ok := db.InstanceGet(startedTxKey); !ok {
+// outbox:before_* opened, if it did. A panic on the way (an emitter's, say)
+// rolls back the statement's own transaction, GORM's too (GORM would leave
+// it open), and goes on.
+func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState) {
+	if r := recover(); r != nil {
+		if st.own {
+			db.Rollback()
+			db.Statement.ConnPool = db.ConnPool
+		}
+		p.uncount(st)
+		panic(r)
+	}
+	if !st.opened {
 		return
 	}
-	defer p.ownInFlight.Add(-1)
 	if db.Error != nil {
 		db.Rollback()
 	} else {
 		db.Commit()
 	}
 	db.Statement.ConnPool = db.ConnPool
+}
+
+// uncount takes st's transaction out of ownInFlight once it has ended.
+func (p *OutboxPlugin) uncount(st *writeState) {
+	if st.counted {
+		st.counted = false
+		p.ownInFlight.Add(-1)
+	}
 }
 
 // describable reports why the plugin cannot build the events of stmt, if it

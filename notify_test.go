@@ -51,7 +51,7 @@ func awaitMessage(t *testing.T, got <-chan outbox.Message, what string) outbox.M
 
 func TestCommitWakesRunWithoutPolling(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
+		b := setup(t, e, nil, ownTable())
 		got, stop := runWithoutPolling(t, b.db)
 		defer stop()
 		mustNil(t, b.db.Create(&Order{Status: "statement transaction"}).Error)
@@ -75,8 +75,13 @@ func TestCommitWakesRunWithoutPolling(t *testing.T) {
 // others) share.
 func notifySetup(t *testing.T, cfg *gorm.Config, opts ...outbox.Option) bundle {
 	t.Helper()
-	table := fmt.Sprintf("outbox_notify_%d_%d", os.Getpid(), notifyTables.Add(1))
-	return setup(t, outboxtest.Postgres, cfg, append([]outbox.Option{outbox.WithTable(table)}, opts...)...)
+	return setup(t, outboxtest.Postgres, cfg, append([]outbox.Option{ownTable()}, opts...)...)
+}
+
+// ownTable names an outbox table, and so a channel, that no other test
+// uses.
+func ownTable() outbox.Option {
+	return outbox.WithTable(fmt.Sprintf("outbox_notify_%d_%d", os.Getpid(), notifyTables.Add(1)))
 }
 
 var notifyTables atomic.Int64
@@ -135,11 +140,10 @@ func TestCommitWakesRunOnAnotherPoolByNotification(t *testing.T) {
 }
 
 // writerPIDs records, by order status, the backend that created each order
-// in its transaction; a create of status "held" waits in its transaction
-// until release is closed. It also makes db's pool keep no idle
-// connection, so that a backend that sends a notification after a commit
-// is never the one that wrote.
-func writerPIDs(t *testing.T, db *gorm.DB, release <-chan struct{}) *sync.Map {
+// in its transaction. It also makes db's pool keep no idle connection, so
+// that a backend that sends a notification after a commit is never the one
+// that wrote.
+func writerPIDs(t *testing.T, db *gorm.DB) *sync.Map {
 	t.Helper()
 	sqlDB, err := db.DB()
 	mustNil(t, err)
@@ -153,9 +157,6 @@ func writerPIDs(t *testing.T, db *gorm.DB, release <-chan struct{}) *sync.Map {
 		var pid uint32
 		mustNil(t, db.Statement.ConnPool.QueryRowContext(db.Statement.Context, "SELECT pg_backend_pid()").Scan(&pid))
 		pids.Store(o.Status, pid)
-		if o.Status == "held" {
-			<-release
-		}
 	}))
 	return &pids
 }
@@ -177,7 +178,7 @@ func TestALoneTransactionNotifiesAtItsOwnCommit(t *testing.T) {
 		t.Run(w.name, func(t *testing.T) {
 			t.Parallel()
 			b := notifySetup(t, w.cfg)
-			pids := writerPIDs(t, b.db, nil)
+			pids := writerPIDs(t, b.db)
 			conn := listenConn(t, b)
 			mustNil(t, w.write(b.db, "alone"))
 			n := awaitNotification(t, conn)
@@ -188,10 +189,11 @@ func TestALoneTransactionNotifiesAtItsOwnCommit(t *testing.T) {
 	}
 }
 
-// TestConcurrentTransactionsLeaveTheNotificationToTheNotifier: with another
-// transaction of the plugin's open, a transaction whose commit the plugin
-// sees does not notify itself (so that the two would not commit one after
-// the other); the notifier does, from another backend, after the commit.
+// TestConcurrentTransactionsLeaveTheNotificationToTheNotifier: while
+// another transaction of the plugin's is between its writes and its commit,
+// a transaction whose commit the plugin sees does not notify itself (so
+// that the two would not commit one after the other); the notifier does,
+// from another backend, once the events are visible.
 func TestConcurrentTransactionsLeaveTheNotificationToTheNotifier(t *testing.T) {
 	for _, w := range eventWrites {
 		if !w.seesCommit || strings.HasPrefix(w.name, "Publish") {
@@ -200,25 +202,53 @@ func TestConcurrentTransactionsLeaveTheNotificationToTheNotifier(t *testing.T) {
 		t.Run(w.name, func(t *testing.T) {
 			t.Parallel()
 			b := notifySetup(t, w.cfg)
-			release := make(chan struct{})
-			pids := writerPIDs(t, b.db, release)
+			pids := writerPIDs(t, b.db)
 			conn := listenConn(t, b)
+			// Hold a write of order 500000 inside its event write: an
+			// uncommitted sequence row of its aggregate makes its upsert wait.
+			ctx := context.Background()
+			lock, err := pgx.Connect(ctx, b.info.DSN)
+			mustNil(t, err)
+			defer lock.Close(ctx)
+			lockTx, err := lock.Begin(ctx)
+			mustNil(t, err)
+			sequences := b.plugin.Table() + "_sequences"
+			_, err = lockTx.Exec(ctx, `INSERT INTO "`+sequences+`" (aggregate_type, aggregate_id, last_sequence) VALUES ('order', '500000', 0)`)
+			mustNil(t, err)
 			held := make(chan error, 1)
-			go func() { held <- w.write(b.db, "held") }()
+			go func() { held <- b.db.Create(&Order{ID: 500_000, Status: "held"}).Error }()
 			defer func() {
-				close(release)
+				_ = lockTx.Rollback(ctx)
 				if err := <-held; err != nil {
 					t.Errorf("the held transaction: %v", err)
 				}
 			}()
-			outboxtest.WaitUntil(t, func() bool { _, ok := pids.Load("held"); return ok }, "the held transaction to write")
+			outboxtest.WaitUntil(t, func() bool {
+				var waiting int64
+				mustNil(t, b.db.Raw(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+					AND datname = current_database() AND query LIKE '%' || ? || '%'`, sequences).Scan(&waiting).Error)
+				return waiting > 0
+			}, "the held transaction to wait in its event write")
 			mustNil(t, w.write(b.db, "concurrent"))
 			n := awaitNotification(t, conn)
+			if got := len(b.records(t)); got != 1 {
+				t.Fatalf("%d events visible when the notification came, want the concurrent one", got)
+			}
 			if writer, _ := pids.Load("concurrent"); n.PID == writer {
 				t.Fatalf("notification from the writer %d, want it from another backend", writer)
 			}
 		})
 	}
+}
+
+func TestWritesThroughOneDBEachNotify(t *testing.T) {
+	b := notifySetup(t, nil)
+	conn := listenConn(t, b)
+	q := b.db.Model(&Order{})
+	mustNil(t, q.Create(&Order{Status: "a"}).Error)
+	awaitNotification(t, conn)
+	mustNil(t, q.Create(&Order{Status: "b"}).Error)
+	awaitNotification(t, conn)
 }
 
 func TestListenerReconnectsAfterItsConnectionIsKilled(t *testing.T) {

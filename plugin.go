@@ -42,7 +42,7 @@ type OutboxPlugin struct {
 	wakers    map[*func()]struct{}
 	notifiers map[*sql.DB]*notifier
 
-	ownInFlight atomic.Int64 // transactions the plugin opened and has not finished
+	ownInFlight atomic.Int64 // transactions whose commit the plugin sees, from their writes to their end
 }
 
 // Option configures a [Plugin].
@@ -71,14 +71,14 @@ func WithTable(name string) Option {
 // WithNotify sets whether writes of events send a PostgreSQL notification
 // on the channel named like the table, so that a listening [Dispatcher.Run]
 // dispatches as soon as they commit (default true). A notification is sent
-// only once its events are committed, never for a rollback, and at most
-// once per transaction. A transaction notifies at its own commit when it
-// runs in the caller's transaction (whose commit the plugin cannot see) or
-// is the only one the plugin has open; when several that the plugin opened
-// overlap (GORM's per-statement transactions, Publish outside a
-// transaction), a notifier sends one notification for them after their
-// commits, at most one per 5 ms, from a connection of the pool, so that
-// they are not made to commit one at a time. It has no effect on SQLite.
+// only once its events are committed, and never for a rollback. A
+// transaction notifies at its own commit when it runs in the caller's
+// transaction (whose commit the plugin cannot see) or is alone; when
+// several whose commits the plugin sees overlap (GORM's per-statement
+// transactions, Publish outside a transaction), a notifier sends one
+// notification for them after their commits, at most one per 5 ms, from a
+// connection of the pool, so that they are not made to commit one at a
+// time. It has no effect on SQLite.
 func WithNotify(enabled bool) Option {
 	return func(p *OutboxPlugin) error {
 		p.notify = enabled

@@ -27,7 +27,7 @@ func Publish(tx *gorm.DB, events ...Event) error {
 		return nil
 	}
 	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); inTx {
-		err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, p.notifyInside(tx, false))
+		err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, p.notifyInside(nil, false))
 		if err == nil {
 			p.wake()
 		}
@@ -35,12 +35,17 @@ func Publish(tx *gorm.DB, events ...Event) error {
 	}
 	p.ownInFlight.Add(1)
 	defer p.ownInFlight.Add(-1)
-	inside := p.notifyInside(tx, true)
+	var (
+		n      *notifier
+		inside bool
+	)
 	err = tx.Transaction(func(tx *gorm.DB) error {
+		n = p.notifierFor(tx)
+		inside = p.notifyInside(n, true)
 		return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, inside)
 	})
 	if err == nil {
-		p.committed(tx, inside)
+		p.committed(n, inside)
 	}
 	return err
 }

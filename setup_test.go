@@ -122,6 +122,8 @@ func (b *Broken) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
 		ev.Payload = []byte("not json")
 	case "raw-empty":
 		ev.Payload = json.RawMessage(nil)
+	case "panic":
+		panic("emitter panicked")
 	case "error":
 		return nil, errEmitter
 	}

@@ -13,26 +13,35 @@ import (
 // committed, in three ways:
 //
 //   - In-process: the plugin calls the wakers of this process's dispatchers
-//     (addWaker) after a write through it.
+//     (addWaker) after a write through it; inside the caller's
+//     transaction, whose commit no callback sees, that is before the
+//     commit, and Dispatcher.Run looks again shortly.
 //   - Notification inside the transaction: the write asks PostgreSQL to
 //     notify when its transaction commits.
 //   - Notification after the commit: a notifier sends one notification
-//     from a connection of its own once the commit has returned, for
-//     transactions whose commit the plugin sees (a statement in GORM's
-//     default transaction or in one the plugin opened, or Publish outside a
-//     transaction).
+//     from a connection of its own once the commit has returned, for a
+//     transaction whose commit the plugin sees (GORM's default transaction
+//     of a statement, the one the plugin opens under SkipDefaultTransaction,
+//     Publish's outside a transaction).
 //
-// Either comes only after the events are visible, and never for a
-// rollback. A transaction notifies inside when the plugin cannot see its
-// commit (the caller's transaction) or when it is the only transaction the
-// plugin has open; otherwise the notifier does it. PostgreSQL serialises
-// the commits of transactions that notify: each holds a database-wide lock
-// from its notification until its commit is flushed, so eight clients that
-// all notify commit one at a time and lose group commit. The notifier sends
-// from outside the business transactions, once per burst, so that they
-// commit side by side; a lone transaction notifies inside, where it costs
-// nothing, while the notifier's separate transactions would cost a seventh
-// of the throughput at one client (README, "Performance").
+// Both notifications come only after the events are visible, and never for
+// a rollback. A transaction notifies inside when the plugin cannot see its
+// commit (the caller's transaction, and statements nested in another's,
+// like association saves), or when no other transaction of the plugin's is
+// between its event writes and its commit; otherwise the notifier does it.
+// PostgreSQL serialises the commits of transactions that notify: each holds
+// a database-wide lock from its notification until its commit is flushed,
+// so eight clients that all notify commit one at a time and lose group
+// commit. The notifier sends from outside the business transactions, once
+// per burst, so that they commit side by side; a lone transaction notifies
+// inside, where it costs nothing, while a separate transaction per commit
+// would cost a seventh of the throughput at one client (README,
+// "Performance").
+//
+// A panic in another plugin's callback between the plugin's write and the
+// commit leaves the transaction counted as in flight: from then on lone
+// transactions leave their notification to the notifier, which costs some
+// throughput and misses nothing.
 
 // addWaker registers wake to be called after events are written through
 // the plugin, for dispatchers in this process that have no notification
@@ -59,36 +68,32 @@ func (p *OutboxPlugin) wake() {
 }
 
 // committed wakes the dispatchers after a transaction that the plugin saw
-// commit wrote events through db: those of this process directly, the
-// others through db's notifier, unless the transaction notified at its
-// commit itself.
-func (p *OutboxPlugin) committed(db *gorm.DB, notifiedInside bool) {
+// commit wrote events: those of this process directly, the others through
+// n, unless the transaction notified at its commit itself (inside).
+func (p *OutboxPlugin) committed(n *notifier, inside bool) {
 	p.wake()
-	if notifiedInside {
-		return
-	}
-	if n := p.notifierFor(db); n != nil {
+	if !inside && n != nil {
 		n.signal()
 	}
 }
 
-// notifyInside reports whether a write through db asks the engine to notify
-// at its transaction's commit, rather than leave it to the notifier after
-// the commit. It does when notifications are on and either the plugin will
-// not see the commit (own is false: the caller's transaction) or no other
-// transaction that the plugin opened is in flight. A lone transaction
-// notifies at no extra cost; among concurrent ones, the notifier keeps
-// their commits from being serialised.
-func (p *OutboxPlugin) notifyInside(db *gorm.DB, own bool) bool {
+// notifyInside reports whether a write asks the engine to notify at its
+// transaction's commit, rather than leave it to n after the commit. It does
+// when notifications are on and either the plugin will not see the commit
+// (own is false: the caller's transaction), or there is no notifier, or no
+// other transaction of the plugin's is between its writes and its commit. A
+// lone transaction notifies at no extra cost; among concurrent ones, the
+// notifier keeps their commits from being serialised.
+func (p *OutboxPlugin) notifyInside(n *notifier, own bool) bool {
 	if !p.notify {
 		return false
 	}
-	return !own || p.ownInFlight.Load() <= 1 || p.notifierFor(db) == nil
+	return !own || n == nil || p.ownInFlight.Load() <= 1
 }
 
-// notifierFor returns the notifier of db's connection pool, creating it on
-// first use, or nil when notifications are off, the engine has none, or
-// the pool is not a *sql.DB that the notifier could use.
+// notifierFor returns the notifier of the pool behind db's connection (a
+// transaction's, if db is in one), creating it on first use, or nil when
+// notifications are off, the engine has none, or GORM cannot name the pool.
 func (p *OutboxPlugin) notifierFor(db *gorm.DB) *notifier {
 	if !p.notify {
 		return nil

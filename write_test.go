@@ -135,6 +135,14 @@ func TestOutboxRowsCommitIffBusinessWriteCommits(t *testing.T) {
 			mustErr(t, s.Create(&Broken{Mode: "error"}).Error)
 			return nil
 		}},
+		{"DefaultTransactionRollsBackOnPanickingEmitter", nil, func(t *testing.T, db *gorm.DB) []string {
+			mustPanic(t, func() { db.Create(&Broken{Mode: "panic"}) })
+			return nil
+		}},
+		{"SkipDefaultTransactionRollsBackOnPanickingEmitter", &gorm.Config{SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
+			mustPanic(t, func() { db.Create(&Broken{Mode: "panic"}) })
+			return nil
+		}},
 		{"SkipDefaultTransactionCommits", &gorm.Config{SkipDefaultTransaction: true}, func(t *testing.T, db *gorm.DB) []string {
 			mustNil(t, db.Create(&Order{Status: "a"}).Error)
 			mustNil(t, db.Create(&Broken{Mode: "ok"}).Error)
@@ -545,4 +553,41 @@ func assertJSON(t *testing.T, got, want string) {
 	if fmt.Sprint(g) != fmt.Sprint(w) {
 		t.Fatalf("JSON %s, want %s", got, want)
 	}
+}
+
+func mustPanic(t *testing.T, fn func()) {
+	t.Helper()
+	defer func() {
+		if recover() == nil {
+			t.Fatal("no panic")
+		}
+	}()
+	fn()
+}
+
+// TestStatementsThroughOneDBEachGetTheirOwnEvents: GORM runs the
+// statements of one chained *gorm.DB on a single Statement, whose instance
+// settings outlive each of them.
+func TestStatementsThroughOneDBEachGetTheirOwnEvents(t *testing.T) {
+	for name, cfg := range map[string]*gorm.Config{"DefaultTransaction": nil, "SkipDefaultTransaction": {SkipDefaultTransaction: true}} {
+		t.Run(name, func(t *testing.T) { statementsThroughOneDB(t, cfg) })
+	}
+}
+
+func statementsThroughOneDB(t *testing.T, cfg *gorm.Config) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, cfg)
+		q := b.db.Model(&Order{})
+		mustNil(t, q.Create(&Order{Status: "a"}).Error)
+		mustNil(t, q.Create(&Order{Status: "b"}).Error)
+		mustNil(t, outbox.WithoutEvents(q).Create(&Order{Status: "quiet"}).Error)
+		var statuses []string
+		mustNil(t, b.db.Model(&Order{}).Order("id").Pluck("status", &statuses).Error)
+		if fmt.Sprint(statuses) != "[a b quiet]" {
+			t.Fatalf("business rows %v, want [a b quiet]", statuses)
+		}
+		if n := len(b.records(t)); n != 2 {
+			t.Fatalf("%d outbox rows, want 2 (a, b)", n)
+		}
+	})
 }
