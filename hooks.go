@@ -25,6 +25,10 @@ import (
 //   - outbox:committed_* runs after gorm:commit_or_rollback_transaction and
 //     wakes the dispatchers (see wake.go).
 //
+// Under a SkipDefaultTransaction configuration GORM registers neither of
+// its transaction callbacks; outbox:after_* and outbox:committed_* then run
+// last, in that order.
+//
 // What they learn about a statement travels in a writeState, which
 // outbox:before_* replaces for every statement: GORM reuses a Statement,
 // and its instance settings, when one *gorm.DB runs several.
@@ -64,6 +68,8 @@ type writeState struct {
 	wrote    bool      // events were written
 	inside   bool      // the transaction was asked to notify at its commit
 	notifier *notifier // sends the notification after the commit, if any
+
+	replaced gorm.ConnPool // the statement's connection before outbox:before_* opened one
 }
 
 const (
@@ -90,10 +96,14 @@ func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
 	if st == nil {
 		return
 	}
+	db.InstanceSet(stateKey, (*writeState)(nil))
 	p.uncount(st)
-	if !st.wrote || db.Error != nil {
+	if !st.wrote {
 		return
 	}
+	// An error here may be a failed commit or one that a callback after
+	// the commit added: a rolled-back write then costs a wake-up that
+	// finds nothing, but a committed one is never left without.
 	if st.own {
 		p.committed(st.notifier, st.inside)
 	} else {
@@ -117,11 +127,10 @@ func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 		}
 		st := &writeState{}
 		db.InstanceSet(stateKey, st)
-		if _, started := db.InstanceGet(gormStartedTxKey); started {
-			st.own = true
-			return
-		}
-		if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
+		_, inTx := stmt.ConnPool.(gorm.TxCommitter)
+		if inTx {
+			_, started := db.InstanceGet(gormStartedTxKey)
+			st.own = started && !db.Config.SkipDefaultTransaction
 			return
 		}
 		tx := db.Begin()
@@ -129,6 +138,7 @@ func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 			_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
 			return
 		}
+		st.replaced = stmt.ConnPool
 		stmt.ConnPool = tx.Statement.ConnPool
 		st.own, st.opened = true, true
 	}
@@ -140,55 +150,70 @@ func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
 		if st == nil {
 			return
 		}
-		defer p.finishTransaction(db, st)
-		if db.Error != nil {
-			return
-		}
-		stmt := db.Statement
-		emit := p.emitterFor(stmt.Schema.ModelType)
-		// An update or delete of one identified row that matched nothing
-		// changed nothing, so there is no fact to report.
-		if op != OpCreate && stmt.ReflectValue.Kind() == reflect.Struct && db.RowsAffected == 0 {
-			return
-		}
-		var events []Event
-		err := eachModel(stmt.ReflectValue, func(model reflect.Value) error {
-			evs, err := emit(model.Addr().Interface(), op)
-			if err != nil {
-				return fmt.Errorf("outbox: %s.OutboxEvents(%s): %w", stmt.Schema.Name, op, err)
-			}
-			events = append(events, evs...)
-			return nil
-		})
-		if err == nil && len(events) > 0 {
-			if st.own {
-				p.ownInFlight.Add(1)
-				st.counted = true
-				st.notifier = p.notifierFor(db)
-			}
-			st.inside = p.notifyInside(st.notifier, st.own)
-			err = p.write(stmt.Context, db, stmt.ConnPool, events, st.inside)
-		}
-		if err != nil {
-			_ = db.AddError(err)
-		} else if len(events) > 0 {
-			st.wrote = true
-		}
+		completed := false
+		defer func() { p.finishTransaction(db, st, completed) }()
+		p.writeEvents(db, st, op)
+		completed = true
 	}
 }
 
-// finishTransaction commits or rolls back the transaction that
-// outbox:before_* opened, if it did. A panic on the way (an emitter's, say)
+// writeEvents asks the statement's models for their events and writes
+// them through its connection.
+func (p *OutboxPlugin) writeEvents(db *gorm.DB, st *writeState, op Op) {
+	stmt := db.Statement
+	if db.Error != nil || stmt.Schema == nil {
+		return
+	}
+	emit := p.emitterFor(stmt.Schema.ModelType)
+	if emit == nil {
+		return
+	}
+	// An update or delete of one identified row that matched nothing
+	// changed nothing, so there is no fact to report.
+	if op != OpCreate && stmt.ReflectValue.Kind() == reflect.Struct && db.RowsAffected == 0 {
+		return
+	}
+	var events []Event
+	err := eachModel(stmt.ReflectValue, func(model reflect.Value) error {
+		evs, err := emit(model.Addr().Interface(), op)
+		if err != nil {
+			return fmt.Errorf("outbox: %s.OutboxEvents(%s): %w", stmt.Schema.Name, op, err)
+		}
+		events = append(events, evs...)
+		return nil
+	})
+	if err == nil && len(events) > 0 {
+		if st.own {
+			p.ownInFlight.Add(1)
+			st.counted = true
+			st.notifier = p.notifierFor(db)
+		}
+		st.inside = p.notifyInside(st.notifier, st.own)
+		err = p.write(stmt.Context, db, stmt.ConnPool, events, st.inside)
+	}
+	if err != nil {
+		_ = db.AddError(err)
+	} else if len(events) > 0 {
+		st.wrote = true
+	}
+}
+
+// finishTransaction ends what outbox:after_* leaves open. If writeEvents
+// did not complete (an emitter panicked, or called runtime.Goexit), it
 // rolls back the statement's own transaction, GORM's too (GORM would leave
-// it open), and goes on.
-func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState) {
-	if r := recover(); r != nil {
+// it open), and lets the panic go on. Otherwise it commits or rolls back
+// the transaction that outbox:before_* opened, if it did, and hands the
+// statement back the connection it had. (A panic between outbox:before_*
+// and outbox:after_*, in a hook or another plugin's callback, leaves that
+// transaction open, as GORM leaves its own.)
+func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed bool) {
+	if !completed {
 		if st.own {
 			db.Rollback()
-			db.Statement.ConnPool = db.ConnPool
+			db.Statement.ConnPool = st.restore(db)
 		}
 		p.uncount(st)
-		panic(r)
+		return
 	}
 	if !st.opened {
 		return
@@ -198,7 +223,17 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState) {
 	} else {
 		db.Commit()
 	}
-	db.Statement.ConnPool = db.ConnPool
+	db.Statement.ConnPool = st.restore(db)
+}
+
+// restore returns the connection to put back on db's statement when its
+// own transaction ends: the one outbox:before_* replaced, or the pool,
+// as GORM does after its own transaction.
+func (st *writeState) restore(db *gorm.DB) gorm.ConnPool {
+	if st.replaced != nil {
+		return st.replaced
+	}
+	return db.ConnPool
 }
 
 // uncount takes st's transaction out of ownInFlight once it has ended.
@@ -285,8 +320,14 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 	}
 	for i := range encoded {
 		// One notification per transaction is enough: PostgreSQL folds
-		// identical ones, but sending it once saves the work.
-		if _, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify && i == 0); err != nil {
+		// identical ones, but sending it once saves the work. It rides on
+		// the first event actually inserted: one whose idempotency key is
+		// stored already is skipped, and its notification with it.
+		inserted, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify)
+		if inserted {
+			notify = false
+		}
+		if err != nil {
 			e := &encoded[i]
 			if d.rejectsData(err) {
 				return fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, e.typ, err)

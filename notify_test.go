@@ -251,6 +251,20 @@ func TestWritesThroughOneDBEachNotify(t *testing.T) {
 	awaitNotification(t, conn)
 }
 
+func TestATransactionWhoseFirstEventIsStoredAlreadyStillNotifies(t *testing.T) {
+	b := notifySetup(t, nil)
+	stored := outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1", IdempotencyKey: "stored"}
+	mustNil(t, outbox.Publish(b.db, stored))
+	conn := listenConn(t, b)
+	mustNil(t, b.db.Transaction(func(tx *gorm.DB) error {
+		return outbox.Publish(tx, stored, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1", IdempotencyKey: "new"})
+	}))
+	awaitNotification(t, conn)
+	if n := len(b.records(t)); n != 2 {
+		t.Fatalf("%d events, want the stored one and the new one", n)
+	}
+}
+
 func TestListenerReconnectsAfterItsConnectionIsKilled(t *testing.T) {
 	b := notifySetup(t, nil)
 	got, stop := runWithoutPolling(t, b.db)

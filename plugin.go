@@ -42,7 +42,7 @@ type OutboxPlugin struct {
 	wakers    map[*func()]struct{}
 	notifiers map[*sql.DB]*notifier
 
-	ownInFlight atomic.Int64 // transactions whose commit the plugin sees, from their writes to their end
+	ownInFlight atomic.Int64 // transactions whose commit the plugin sees, counted in flight (see wake.go)
 }
 
 // Option configures a [Plugin].
@@ -70,9 +70,10 @@ func WithTable(name string) Option {
 
 // WithNotify sets whether writes of events send a PostgreSQL notification
 // on the channel named like the table, so that a listening [Dispatcher.Run]
-// dispatches as soon as they commit (default true). A notification is sent
-// only once its events are committed, and never for a rollback. A
-// transaction notifies at its own commit when it runs in the caller's
+// dispatches as soon as they commit (default true). A notification never
+// comes before its events are committed; one may follow a write that was
+// rolled back after its events were written, and wakes the dispatchers for
+// nothing. A transaction notifies at its own commit when it runs in the caller's
 // transaction (whose commit the plugin cannot see) or is alone; when
 // several whose commits the plugin sees overlap (GORM's per-statement
 // transactions, Publish outside a transaction), a notifier sends one
@@ -180,7 +181,12 @@ const skipEventsKey = "outbox:skip_events"
 // record no outbox events, even on models that emit them. Use it for bulk
 // writes by condition (see [ErrUnidentifiedRows]), backfills and data
 // repairs; [Publish] still records what it is given.
-func WithoutEvents(db *gorm.DB) *gorm.DB { return db.Set(skipEventsKey, true) }
+//
+// It leaves db itself as it was, even where db is a chain whose statements
+// GORM runs on one Statement (db.Model(&x), say).
+func WithoutEvents(db *gorm.DB) *gorm.DB {
+	return db.Session(&gorm.Session{}).Set(skipEventsKey, true)
+}
 
 func eventsSkipped(db *gorm.DB) bool {
 	v, ok := db.Get(skipEventsKey)

@@ -18,25 +18,31 @@ import (
 //     commit, and Dispatcher.Run looks again shortly.
 //   - Notification inside the transaction: the write asks PostgreSQL to
 //     notify when its transaction commits.
-//   - Notification after the commit: a notifier sends one notification
-//     from a connection of its own once the commit has returned, for a
+//   - Notification after the commit: a notifier sends one notification,
+//     from a connection of the pool, once the commit has returned, for a
 //     transaction whose commit the plugin sees (GORM's default transaction
 //     of a statement, the one the plugin opens under SkipDefaultTransaction,
 //     Publish's outside a transaction).
 //
-// Both notifications come only after the events are visible, and never for
-// a rollback. A transaction notifies inside when the plugin cannot see its
-// commit (the caller's transaction, and statements nested in another's,
-// like association saves), or when no other transaction of the plugin's is
-// between its event writes and its commit; otherwise the notifier does it.
-// PostgreSQL serialises the commits of transactions that notify: each holds
-// a database-wide lock from its notification until its commit is flushed,
-// so eight clients that all notify commit one at a time and lose group
-// commit. The notifier sends from outside the business transactions, once
-// per burst, so that they commit side by side; a lone transaction notifies
-// inside, where it costs nothing, while a separate transaction per commit
-// would cost a seventh of the throughput at one client (README,
-// "Performance").
+// Neither comes before the events are visible. The one inside comes only
+// with the commit. The notifier's follows a statement that wrote events
+// even if it then reports an error, since the error may come from a
+// callback after the commit: a write rolled back after its events were
+// written (its commit failed, say) can cost a wake-up that finds nothing,
+// but a committed one is not left without.
+//
+// A transaction notifies inside when the plugin cannot see its commit (the
+// caller's transaction, and statements nested in another's, like
+// association saves), or when no other transaction of the plugin's is
+// counted in flight, from its event writes until after its commit;
+// otherwise the notifier does it. PostgreSQL serialises the commits of
+// transactions that notify: each holds a database-wide lock from its
+// notification until its commit is flushed, so eight clients that all
+// notify commit one at a time and lose group commit. The notifier sends
+// from outside the business transactions, once per burst, so that they
+// commit side by side; a lone transaction notifies inside, where it costs
+// nothing, while a separate transaction per commit would cost a seventh of
+// the throughput at one client (README, "Performance").
 //
 // A panic in another plugin's callback between the plugin's write and the
 // commit leaves the transaction counted as in flight: from then on lone
