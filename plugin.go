@@ -185,6 +185,12 @@ const skipEventsKey = "outbox:skip_events"
 // It leaves db itself as it was, even where db is a chain whose statements
 // GORM runs on one Statement (db.Model(&x), say).
 func WithoutEvents(db *gorm.DB) *gorm.DB {
+	// Scopes() adds nothing; it returns db itself only for a chain, and
+	// otherwise the statement GORM would give db's next call: a fresh one
+	// for a new session (the tx of a hook), a copy for others.
+	if tx := db.Scopes(); tx != db {
+		return tx.Set(skipEventsKey, true)
+	}
 	return db.Session(&gorm.Session{}).Set(skipEventsKey, true)
 }
 

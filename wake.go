@@ -24,8 +24,8 @@ import (
 //     of a statement, the one the plugin opens under SkipDefaultTransaction,
 //     Publish's outside a transaction).
 //
-// Neither comes before the events are visible. The one inside comes only
-// with the commit. The notifier's follows a statement that wrote events
+// The notifications never come before the events are visible. The one
+// inside comes only with the commit. The notifier's follows a statement that wrote events
 // even if it then reports an error, since the error may come from a
 // callback after the commit: a write rolled back after its events were
 // written (its commit failed, say) can cost a wake-up that finds nothing,
@@ -41,8 +41,8 @@ import (
 // notify commit one at a time and lose group commit. The notifier sends
 // from outside the business transactions, once per burst, so that they
 // commit side by side; a lone transaction notifies inside, where it costs
-// nothing, while a separate transaction per commit would cost a seventh of
-// the throughput at one client (README, "Performance").
+// nothing, while a separate transaction per commit cost a seventh of the
+// throughput at one client in development runs (README, "Performance").
 //
 // A panic in another plugin's callback between the plugin's write and the
 // commit leaves the transaction counted as in flight: from then on lone
@@ -144,9 +144,10 @@ const notifyTimeout = 5 * time.Second
 // notifyGap paces the notifications after commits. A dispatcher that is
 // woken claims everything committed so far, and wake-ups during its claim
 // coalesce into one more claim, so a faster pace would only load the
-// server. Measured with eight writing clients (bench, write): a
-// notification per commit cost about a sixth of the write throughput, one
-// per millisecond about a fourteenth, one per 5 ms nothing measurable. It
+// server. In development runs of the bench's write scenario with eight
+// clients, a notification per commit cost about a sixth of the write
+// throughput, one per millisecond about a fourteenth, one per 5 ms nothing
+// measurable. It
 // delays a wake-up by 5 ms at most, and only during a burst.
 const notifyGap = 5 * time.Millisecond
 

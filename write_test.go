@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -589,6 +590,36 @@ func statementsThroughOneDB(t *testing.T, cfg *gorm.Config) {
 		}
 		if n := len(b.records(t)); n != 2 {
 			t.Fatalf("%d outbox rows, want 2 (a, b)", n)
+		}
+	})
+}
+
+// Audited writes a Note through WithoutEvents from its own AfterCreate hook.
+type Audited struct {
+	ID   uint
+	Name string
+}
+
+func (a *Audited) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return []outbox.Event{{Type: "audited." + string(op), AggregateType: "audited", AggregateID: strconv.Itoa(int(a.ID))}}, nil
+}
+
+func (a *Audited) AfterCreate(tx *gorm.DB) error {
+	return outbox.WithoutEvents(tx).Create(&Note{Text: "audit of " + a.Name}).Error
+}
+
+func TestWithoutEventsInAHookWritesWhatItIsGiven(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.AutoMigrate(&Audited{}))
+		mustNil(t, b.db.Create(&Audited{Name: "a"}).Error)
+		var notes []string
+		mustNil(t, b.db.Model(&Note{}).Pluck("text", &notes).Error)
+		if fmt.Sprint(notes) != "[audit of a]" {
+			t.Fatalf("notes %v, want [audit of a]", notes)
+		}
+		if recs := b.records(t); len(recs) != 1 || recs[0].EventType != "audited.create" {
+			t.Fatalf("outbox rows %+v, want the audited.create event alone", recs)
 		}
 	})
 }
