@@ -25,11 +25,11 @@ import (
 //     Publish's outside a transaction).
 //
 // The notifications never come before the events are visible. The one
-// inside comes only with the commit. The notifier's follows a statement that wrote events
-// even if it then reports an error, since the error may come from a
-// callback after the commit: a write rolled back after its events were
-// written (its commit failed, say) can cost a wake-up that finds nothing,
-// but a committed one is not left without.
+// inside comes only with the commit. The notifier's follows a statement
+// that wrote events even if it then reports an error, since the error may
+// come from a callback after the commit: a write rolled back after its
+// events were written (its commit failed, say) can cost a wake-up that
+// finds nothing, but a committed one is not left without.
 //
 // A transaction notifies inside when the plugin cannot see its commit (the
 // caller's transaction, and statements nested in another's, like
