@@ -11,7 +11,7 @@ import (
 	"github.com/google/uuid"
 )
 
-// A claim takes runs, and on SQLite the oldest due events first.
+// A claim takes the oldest due events first, and runs when others hold them.
 //
 // Runs. A run is the due prefix of one aggregate's undelivered events: it
 // starts at the aggregate's head (its first undelivered event) and goes on
@@ -21,10 +21,9 @@ import (
 // and takes each head's run until the batch is full. While one dispatcher
 // holds an aggregate's run, no other sees a head for that aggregate, so
 // dispatchers sharing a backlog split it by aggregate instead of colliding
-// on the same window of rows. This is the claim on PostgreSQL, where
-// dispatchers run side by side.
+// on the same window of rows.
 //
-// Oldest first (engines that are an oldestClaimer: SQLite). The claim
+// Oldest first. The claim
 // looks at the batch size of oldest due rows and leases those that keep
 // each aggregate's order: per aggregate, the rows from its first one in
 // the window on, in sequence order without a gap, provided nothing
@@ -108,9 +107,10 @@ WHERE ` + where + `
 RETURNING ` + returning
 }
 
-// oldestSQL is the oldest-first claim, one statement, run where a claim
-// holds the database's write lock (so it takes no row locks). The window w
-// is the batch size of oldest due rows. For each aggregate in it, f is its
+// oldestSQL is the oldest-first claim, one statement; lock is the engine's
+// row-locking clause for the window (dialect.skipLocked: none where the
+// claim holds the database's write lock). The window w is the batch size
+// of oldest due rows. For each aggregate in it, f is its
 // lowest sequence there, and h keeps the aggregates with nothing
 // undelivered before that one. In each kept aggregate the rows whose
 // sequence minus their rank is the first sequence's are those that follow
@@ -118,12 +118,12 @@ RETURNING ` + returning
 // leaves a gap, so nothing behind it is taken. Each returned
 // row also carries how many rows the window held. Arguments: now, batch
 // size, then those of leaseSQL.
-func oldestSQL(t tables) string {
+func oldestSQL(t tables, lock string) string {
 	return `WITH w AS MATERIALIZED (
 	SELECT r.id, r.aggregate_type AS typ, r.aggregate_id AS agg, r.aggregate_sequence AS seq FROM ` + t.records + ` r
 	WHERE ` + dueSQL("r") + `
 	ORDER BY r.next_attempt_at, r.id
-	LIMIT ?
+	LIMIT ?` + lock + `
 ), h AS (
 	SELECT typ, agg, first FROM (SELECT typ, agg, min(seq) AS first FROM w GROUP BY typ, agg) f
 	WHERE first = 1 OR NOT EXISTS (
@@ -172,8 +172,7 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
 	}
-	oc, ok := d.d.(oldestClaimer)
-	if !ok || now.UnixNano() < d.runsUntil.Load() {
+	if now.UnixNano() < d.runsUntil.Load() {
 		rows, err = d.claimRuns(ctx, a)
 		if err != nil {
 			return "", nil, false, err
@@ -181,7 +180,7 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		return a.batchID, sortByID(rows), len(rows) == a.limit, nil
 	}
 	var seen int64
-	err = oc.claimOldest(ctx, d.db, d.t, a, func(res *sql.Rows) error {
+	err = d.d.claimOldest(ctx, d.db, d.t, a, func(res *sql.Rows) error {
 		rows, err = scanLeased(res, &seen)
 		return err
 	})

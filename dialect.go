@@ -32,6 +32,10 @@ type dialect interface {
 	// ends or the connection fails; it returns errNoListen where the
 	// engine or driver has no notifications.
 	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
+	// claimOldest leases what oldestSQL picks from the a.limit oldest due
+	// rows (see claim.go), in one short transaction, and hands the rows
+	// that leaseSQL returns to scan.
+	claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 	// claimRuns leases up to a.limit due rows as runs (see claim.go) in
 	// one short transaction, and hands the rows that leaseSQL returns to
 	// scan. On PostgreSQL the lease has committed by then, so rows that
@@ -43,27 +47,15 @@ type dialect interface {
 	// where the engine has arrays, so that the statement's text and plan
 	// do not change with the number of ids.
 	idsIn(ids []int64) (string, []any)
-	// skipLocked is the row-locking clause of a sweep's scan: FOR UPDATE
-	// SKIP LOCKED where the engine has row locks, nothing where a write
-	// statement holds the whole database.
+	// skipLocked is the row-locking clause of a sweep's scan and of the
+	// oldest-first claim's window: FOR UPDATE SKIP LOCKED where the engine
+	// has row locks, nothing where a write statement holds the whole
+	// database.
 	skipLocked() string
 	// rejectsData reports whether err is the engine refusing a value (bad
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
 	rejectsData(err error) bool
-}
-
-// oldestClaimer is a dialect whose claims take the oldest due rows first
-// and fall back to runs (see claim.go). SQLite is one: its claims take
-// turns on one write lock anyway, so the locality of the oldest rows is
-// all there is to win. PostgreSQL is not: measured with four dispatchers
-// at batch 1,000, claiming this way reached about a third less than runs
-// alone (README, "The claim path").
-type oldestClaimer interface {
-	// claimOldest leases what oldestSQL picks from the a.limit oldest due
-	// rows, in one short transaction, and hands the rows that leaseSQL
-	// returns to scan.
-	claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 }
 
 // dialectOf returns the dialect for db's engine.

@@ -135,6 +135,15 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
+// claimOldest is one statement. Its window locks the rows it reads with
+// SKIP LOCKED, so that claims running side by side take disjoint windows;
+// a row of an aggregate that another claim's window holds is held back by
+// the probe (its predecessor is undelivered) or leaves a gap.
+func (d postgresDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+	args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
+	return queryScan(ctx, db.Statement.ConnPool, bindNumbered(oldestSQL(t, d.skipLocked())), args, scan)
+}
+
 // claimRuns is one statement. Heads are locked with SKIP LOCKED as the
 // nested loop pulls them, so a claim locks only the heads whose runs it
 // takes; a head another claim holds is passed by, and the rows behind it

@@ -100,7 +100,7 @@ func (sqliteDialect) rejectsData(error) bool { return false }
 func (d sqliteDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error {
 		args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-		return queryScan(ctx, conn, oldestSQL(t), args, scan)
+		return queryScan(ctx, conn, oldestSQL(t, d.skipLocked()), args, scan)
 	})
 }
 

@@ -54,13 +54,14 @@ const (
 // later messages are parked meanwhile, looked at again once per lease, and
 // made due at once when RetryFailed brings their dead letter back.
 //
-// A claim takes runs: from the aggregates whose next undelivered message
-// has waited longest, each one's consecutive due messages in sequence
-// order. Dispatchers sharing a backlog therefore split it by aggregate; an
-// aggregate with a deep backlog may fill a batch on its own, delaying a
-// fresher aggregate by at most that batch. On SQLite, where claims take
-// turns on the write lock, a claim takes the oldest due messages that keep
-// that order first, and runs only when those are held back.
+// A claim takes the oldest due messages that keep each aggregate's order,
+// so that a batch is what was written together. When some of those are
+// held back because other dispatchers hold their aggregates, it takes runs
+// for ten poll intervals: from the aggregates whose next undelivered
+// message has waited longest, each one's consecutive due messages in
+// sequence order, so that dispatchers sharing a backlog split it by
+// aggregate; an aggregate with a deep backlog may then fill a batch on its
+// own, delaying a fresher aggregate by at most that batch.
 //
 // The table name is taken from the outbox plugin registered on the
 // *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for

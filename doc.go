@@ -48,14 +48,13 @@
 // was accepted; a dead-lettered event holds back the rest of its own
 // aggregate, and of no other, until it is retried.
 //
-// A claim takes runs, not single rows: from the aggregates whose next
-// undelivered event has waited longest, each one's consecutive due events
-// in sequence order, until the batch is full. While a run is leased no
-// other dispatcher can start on its aggregate, so dispatchers sharing a
-// backlog split it by aggregate instead of holding back each other's rows.
-// On SQLite, where claims take turns on the write lock, a claim takes the
-// oldest due events that keep order first, and runs only when those are
-// held back.
+// A claim takes the oldest due events that keep each aggregate's order:
+// those whose predecessors are all delivered, or in the same batch just
+// before them. When other dispatchers hold the aggregates of the oldest
+// events, it takes runs instead, for a while: from the aggregates whose
+// next undelivered event has waited longest, each one's consecutive due
+// events in sequence order, so that dispatchers sharing a backlog split it
+// by aggregate instead of holding back each other's rows.
 //
 // [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
 // dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3
