@@ -56,12 +56,13 @@ const (
 //
 // A claim takes the oldest due messages that keep each aggregate's order,
 // so that a batch is what was written together. When some of those are
-// held back because other dispatchers hold their aggregates, it takes runs
-// for ten poll intervals: from the aggregates whose next undelivered
-// message has waited longest, each one's consecutive due messages in
-// sequence order, so that dispatchers sharing a backlog split it by
-// aggregate; an aggregate with a deep backlog may then fill a batch on its
-// own, delaying a fresher aggregate by at most that batch.
+// held back (other dispatchers hold their aggregates, or an earlier
+// message waits for a retry), it takes runs for ten poll intervals: from
+// the aggregates whose next undelivered message has waited longest, each
+// one's consecutive due messages in sequence order, so that dispatchers
+// sharing a backlog split it by aggregate; an aggregate with a deep
+// backlog may then fill a batch on its own, delaying a fresher aggregate
+// by at most that batch.
 //
 // The table name is taken from the outbox plugin registered on the
 // *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for

@@ -50,8 +50,9 @@
 //
 // A claim takes the oldest due events that keep each aggregate's order:
 // those whose predecessors are all delivered, or in the same batch just
-// before them. When other dispatchers hold the aggregates of the oldest
-// events, it takes runs instead, for a while: from the aggregates whose
+// before them. When it has to hold some of the oldest back (other
+// dispatchers hold their aggregates, or an earlier event waits for a
+// retry), it takes runs instead, for a while: from the aggregates whose
 // next undelivered event has waited longest, each one's consecutive due
 // events in sequence order, so that dispatchers sharing a backlog split it
 // by aggregate instead of holding back each other's rows.
