@@ -74,6 +74,20 @@ func holdFirstBatch(t *testing.T, db *gorm.DB, batch int) (held *recorder, relea
 	}
 }
 
+// twoClaims dispatches twice with a new dispatcher, claiming by runs alone
+// if byRuns, and returns the batches it published as event ids.
+func twoClaims(t *testing.T, db *gorm.DB, byRuns bool, opts ...outbox.DispatcherOption) string {
+	t.Helper()
+	rec := &recorder{}
+	d := newDispatcher(t, db, rec, opts...)
+	if byRuns {
+		outbox.ClaimByRuns(d)
+	}
+	dispatch(t, d)
+	dispatch(t, d)
+	return fmt.Sprint(rec.batchIDs())
+}
+
 func TestClaimBatchesByEngineAndMode(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
@@ -91,15 +105,8 @@ func TestClaimBatchesByEngineAndMode(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			b := setup(t, tc.engine, nil)
 			publishInterleaved(t, b.db, 3, "a", "b")
-			rec := &recorder{}
-			d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(4))
-			if tc.byRuns {
-				outbox.ClaimByRuns(d)
-			}
-			dispatch(t, d)
-			dispatch(t, d)
 			// A batch lists its messages oldest first.
-			if got := fmt.Sprint(rec.batchIDs()); got != tc.want {
+			if got := twoClaims(t, b.db, tc.byRuns, outbox.WithBatchSize(4)); got != tc.want {
 				t.Fatalf("batches %s, want %s", got, tc.want)
 			}
 		})
@@ -131,14 +138,7 @@ func TestClaimStopsWhereOrderWouldBreak(t *testing.T) {
 					b := setup(t, e, nil)
 					publishN(t, b.db, "a", 4)
 					mustNil(t, b.db.Exec(tc.change, time.Now().Add(time.Hour).UTC()).Error)
-					rec := &recorder{}
-					d := newDispatcher(t, b.db, rec)
-					if byRuns {
-						outbox.ClaimByRuns(d)
-					}
-					dispatch(t, d)
-					dispatch(t, d)
-					if got := fmt.Sprint(rec.batchIDs()); got != tc.want {
+					if got := twoClaims(t, b.db, byRuns); got != tc.want {
 						t.Fatalf("batches %s, want %s", got, tc.want)
 					}
 				})

@@ -141,7 +141,7 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 // the probe (its predecessor is undelivered) or leaves a gap.
 func (d postgresDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-	return queryScan(ctx, db.Statement.ConnPool, bindNumbered(oldestSQL(t, d.skipLocked())), args, scan)
+	return queryScan(ctx, db.Statement.ConnPool, d.bind(oldestSQL(t, d.skipLocked())), args, scan)
 }
 
 // claimRuns is one statement. Heads are locked with SKIP LOCKED as the
