@@ -93,9 +93,10 @@ func scanWindow(n int) int { return max(4*n, 1000) }
 
 // leaseSQL is the UPDATE that leases the picked rows, given the condition
 // that names them, and returns what a Message needs, followed by seen when
-// it is not empty. Its arguments are batch id, lease end, lease end, now,
-// then those of where.
-func leaseSQL(t tables, where, seen string) string {
+// it is not empty. It commits without waiting for its WAL where d can
+// (dialect.asyncCommit). Its arguments are batch id, lease end, lease end,
+// now, then those of where.
+func leaseSQL(d dialect, t tables, where, seen string) string {
 	returning := `id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
 	idempotency_key, payload, headers, occurred_at, delivery_attempts`
 	if seen != "" {
@@ -103,12 +104,12 @@ func leaseSQL(t tables, where, seen string) string {
 	}
 	return `UPDATE ` + t.records + ` SET
 	delivery_state = 'delivering', batch_id = ?, locked_until = ?, next_attempt_at = ?, updated_at = ?
-WHERE ` + where + `
+WHERE ` + where + d.asyncCommit() + `
 RETURNING ` + returning
 }
 
-// oldestSQL is the oldest-first claim, one statement; lock is the engine's
-// row-locking clause for the window (dialect.skipLocked: none where the
+// oldestSQL is the oldest-first claim of d, one statement. The window is
+// locked with d's row-locking clause (dialect.skipLocked: none where the
 // claim holds the database's write lock). The window w is the batch size
 // of oldest due rows. For each aggregate in it, f is its
 // lowest sequence there, and h keeps the aggregates with nothing
@@ -118,12 +119,12 @@ RETURNING ` + returning
 // leaves a gap, so nothing behind it is taken. Each returned
 // row also carries how many rows the window held. Arguments: now, batch
 // size, then those of leaseSQL.
-func oldestSQL(t tables, lock string) string {
+func oldestSQL(d dialect, t tables) string {
 	return `WITH w AS MATERIALIZED (
 	SELECT r.id, r.aggregate_type AS typ, r.aggregate_id AS agg, r.aggregate_sequence AS seq FROM ` + t.records + ` r
 	WHERE ` + dueSQL("r") + `
 	ORDER BY r.next_attempt_at, r.id
-	LIMIT ?` + lock + `
+	LIMIT ?` + d.skipLocked() + `
 ), h AS (
 	SELECT typ, agg, first FROM (SELECT typ, agg, min(seq) AS first FROM w GROUP BY typ, agg) f
 	WHERE first = 1 OR NOT EXISTS (
@@ -135,7 +136,7 @@ func oldestSQL(t tables, lock string) string {
 		SELECT id, typ, agg, seq - row_number() OVER (PARTITION BY typ, agg ORDER BY seq) AS base FROM w
 	) o JOIN h ON h.typ = o.typ AND h.agg = o.agg AND o.base = h.first - 1
 )
-` + leaseSQL(t, `id IN (SELECT id FROM k)`, `(SELECT count(*) FROM w)`)
+` + leaseSQL(d, t, `id IN (SELECT id FROM k)`, `(SELECT count(*) FROM w)`)
 }
 
 // queryScan runs one claim statement on q, a pool or a connection, and

@@ -438,6 +438,11 @@ func TestNewDispatcherValidatesOptions(t *testing.T) {
 	if _, err := outbox.NewDispatcher(db, nil); !errors.Is(err, outbox.ErrInvalidOption) {
 		t.Errorf("nil publisher: err = %v, want ErrInvalidOption", err)
 	}
+	tx := db.Begin()
+	defer tx.Rollback()
+	if _, err := outbox.NewDispatcher(tx, p); !errors.Is(err, outbox.ErrInvalidOption) {
+		t.Errorf("db inside a transaction: err = %v, want ErrInvalidOption", err)
+	}
 }
 
 func TestDefaultRetryPolicyGrowsFiveFoldToADay(t *testing.T) {

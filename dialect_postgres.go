@@ -141,7 +141,7 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 // the probe (its predecessor is undelivered) or leaves a gap.
 func (d postgresDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-	return queryScan(ctx, db.Statement.ConnPool, d.bind(oldestSQL(t, d.skipLocked())), args, scan)
+	return queryScan(ctx, db.Statement.ConnPool, d.bind(oldestSQL(d, t)), args, scan)
 }
 
 // claimRuns is one statement. Heads are locked with SKIP LOCKED as the
@@ -169,7 +169,7 @@ func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a
 // scan window, now (heads), batch size (heads), now (runs), batch size
 // (each run), batch size (the batch).
 func runsSQL(t tables) string {
-	return bindNumbered(leaseSQL(t, `id IN (
+	return bindNumbered(leaseSQL(postgresDialect{}, t, `id IN (
 	SELECT run.id FROM (
 		`+headsSQL(t, `r.id AS hid, r.aggregate_type AS ht, r.aggregate_id AS ha, r.aggregate_sequence AS hs`)+`
 		LIMIT ?
@@ -197,6 +197,14 @@ func runsSQL(t tables) string {
 func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", []any{ids} }
 
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
+
+// asyncCommit sets synchronous_commit off for the statement's own
+// transaction (set_config with is_local), through a subquery that the
+// planner evaluates once, before the first row is written: the commit then
+// returns without waiting for the WAL flush, or for a synchronous standby.
+func (postgresDialect) asyncCommit() string {
+	return ` AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'`
+}
 
 // rejectsData: SQLSTATE class 22 is "data exception".
 func (postgresDialect) rejectsData(err error) bool {

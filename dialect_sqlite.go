@@ -90,6 +90,11 @@ func (sqliteDialect) idsIn(ids []int64) (string, []any) {
 
 func (sqliteDialect) skipLocked() string { return "" }
 
+// asyncCommit is empty: how a SQLite commit syncs is the connection's
+// synchronous pragma, which the DSN sets (NORMAL, in WAL mode, syncs only
+// at checkpoints).
+func (sqliteDialect) asyncCommit() string { return "" }
+
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
 
 // rejectsData: SQLite stores any text it is given; encode has checked it.
@@ -100,7 +105,7 @@ func (sqliteDialect) rejectsData(error) bool { return false }
 func (d sqliteDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error {
 		args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-		return queryScan(ctx, conn, oldestSQL(t, d.skipLocked()), args, scan)
+		return queryScan(ctx, conn, oldestSQL(d, t), args, scan)
 	})
 }
 
@@ -116,7 +121,7 @@ func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a c
 			return err
 		}
 		in, idArgs := d.idsIn(ids)
-		return queryScan(ctx, conn, leaseSQL(t, "id "+in, ""), append(leaseArgs(d, a), idArgs...), scan)
+		return queryScan(ctx, conn, leaseSQL(d, t, "id "+in, ""), append(leaseArgs(d, a), idArgs...), scan)
 	})
 }
 

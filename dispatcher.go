@@ -64,6 +64,14 @@ const (
 // backlog may then fill a batch on its own, delaying a fresher aggregate
 // by at most that batch.
 //
+// On PostgreSQL, a claim's lease and a settle commit with
+// synchronous_commit off, in their own transactions only: they do not wait
+// for their WAL to reach the disk, or a synchronous standby. A crash of the
+// server can forget the last of them (up to three times wal_writer_delay,
+// 600ms by default); their events are then delivered again, as at-least-once
+// delivery allows. The events themselves are written by the caller's
+// transaction, as durably as it commits.
+//
 // The table name is taken from the outbox plugin registered on the
 // *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for
 // concurrent use.
@@ -208,14 +216,17 @@ func WithLogger(l *slog.Logger) DispatcherOption {
 }
 
 // NewDispatcher returns a dispatcher that delivers the outbox rows of db to
-// p. It validates every option; an invalid one yields an error wrapping
-// [ErrInvalidOption] that names it.
+// p. db must not be inside a transaction. It validates every option; an
+// invalid one yields an error wrapping [ErrInvalidOption] that names it.
 func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatcher, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: nil *gorm.DB", ErrInvalidOption)
 	}
 	if p == nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: nil Publisher", ErrInvalidOption)
+	}
+	if _, inTx := db.Statement.ConnPool.(gorm.TxCommitter); inTx {
+		return nil, fmt.Errorf("%w: NewDispatcher: db is inside a transaction; a dispatcher commits each of its statements on its own", ErrInvalidOption)
 	}
 	dl, err := dialectOf(db)
 	if err != nil {

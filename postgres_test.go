@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -27,6 +28,39 @@ func TestPostgresClaimReadsOnlyDueRows(t *testing.T) {
 	// never the delivered history.
 	if !strings.Contains(plan, "outbox_records_due") || strings.Contains(plan, "Seq Scan") {
 		t.Fatalf("the claim scan reads more than the due rows:\n%s", plan)
+	}
+}
+
+// The dispatcher's own statements, the claim's lease and the settle, commit
+// with synchronous_commit off, each in its own transaction only: the
+// connection they ran on commits a business write synchronously again.
+func TestPostgresBookkeepingCommitsAsynchronouslyAndOnlyItself(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	sqlDB, err := b.db.DB()
+	mustNil(t, err)
+	sqlDB.SetMaxOpenConns(1) // every statement below runs on one connection
+	mustNil(t, b.db.Exec(`CREATE TABLE commit_modes (state text, mode text)`).Error)
+	mustNil(t, b.db.Exec(`CREATE FUNCTION log_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	INSERT INTO commit_modes VALUES (NEW.delivery_state, current_setting('synchronous_commit'));
+	RETURN NEW;
+END $$`).Error)
+	mustNil(t, b.db.Exec(`CREATE TRIGGER log_commit_mode BEFORE UPDATE ON outbox_records
+	FOR EACH ROW EXECUTE FUNCTION log_commit_mode()`).Error)
+	publishN(t, b.db, "a", 2)
+
+	if n := dispatch(t, newDispatcher(t, b.db, &recorder{})); n != 2 {
+		t.Fatalf("delivered %d, want 2", n)
+	}
+	var modes []string
+	mustNil(t, b.db.Raw(`SELECT state || ' ' || mode FROM commit_modes ORDER BY 1`).Scan(&modes).Error)
+	if want := []string{"delivered off", "delivered off", "delivering off", "delivering off"}; !slices.Equal(modes, want) {
+		t.Fatalf("commit modes of the dispatcher's updates: %q, want %q", modes, want)
+	}
+	var mode string
+	mustNil(t, b.db.Raw(`SHOW synchronous_commit`).Scan(&mode).Error)
+	if mode != "on" {
+		t.Fatalf("synchronous_commit after dispatch = %q on the dispatcher's connection, want on", mode)
 	}
 }
 

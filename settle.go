@@ -118,7 +118,7 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
 	delivery_state = ?, delivery_attempts = ?, next_attempt_at = ?, last_error = `+lastErr+`,
 	locked_until = NULL, delivered_at = ?, updated_at = ?
-WHERE id `+in+` AND batch_id = ? AND delivery_state = 'delivering'`), args...)
+WHERE id `+in+` AND batch_id = ? AND delivery_state = 'delivering'`+d.d.asyncCommit()), args...)
 	if err != nil {
 		return 0, err
 	}
