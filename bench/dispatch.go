@@ -68,6 +68,15 @@ func runDispatch(ctx context.Context, e *env, c config, r *report) error {
 						return fmt.Errorf("raw SQL %s: %w", cfg, err)
 					}
 					addRow("raw SQL loop", cfg, "dispatch_raw_"+suffix, res)
+					// Like for like: the library's claims and settles commit
+					// with synchronous_commit off.
+					res, err = pgDrain(ctx, e, c, "raw_async", func(ctx context.Context, s *schema) (drainResult, error) {
+						return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDBAsync(2) }, rawPostgres, n, batch, c.backlog)
+					})
+					if err != nil {
+						return fmt.Errorf("raw SQL, synchronous_commit off, %s: %w", cfg, err)
+					}
+					addRow("raw SQL loop, synchronous_commit off", cfg, "dispatch_raw_async_"+suffix, res)
 				}
 			}
 		}
@@ -132,6 +141,11 @@ func dispatchRatios(c config, r *report) {
 			r.ratio(name, "dispatch_outbox_"+suffix, "dispatch_raw_"+suffix)
 			if v, ok := r.get(name); ok {
 				lines = append(lines, []string{"outbox / raw SQL loop, " + suffix, f2(v)})
+			}
+			name = "dispatch_ratio_outbox_over_raw_async_" + suffix
+			r.ratio(name, "dispatch_outbox_"+suffix, "dispatch_raw_async_"+suffix)
+			if v, ok := r.get(name); ok {
+				lines = append(lines, []string{"outbox / raw SQL loop with synchronous_commit off, " + suffix, f2(v)})
 			}
 			if v, ok := r.get("dispatch_outbox_" + suffix); ok && v > best {
 				best, bestName = v, "dispatch_outbox_"+suffix

@@ -114,6 +114,18 @@ func (s *schema) sqlDB(maxConns int) (*sql.DB, error) {
 	return db, nil
 }
 
+// sqlDBAsync is sqlDB with synchronous_commit off for every transaction
+// of the pool.
+func (s *schema) sqlDBAsync(maxConns int) (*sql.DB, error) {
+	db, err := sql.Open("pgx", s.DSN+" synchronous_commit=off")
+	if err != nil {
+		return nil, err
+	}
+	db.SetMaxOpenConns(maxConns)
+	db.SetMaxIdleConns(maxConns)
+	return db, nil
+}
+
 // pgxPool opens a native pgx pool in the schema.
 func (s *schema) pgxPool(ctx context.Context, maxConns int) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(s.DSN)
