@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -35,97 +37,130 @@ import (
 // and a checkpoint before the clock starts, and a no-op publisher.
 
 func runDispatch(ctx context.Context, e *env, c config, r *report) error {
-	var rows [][]string
-	addRow := func(system, config, name string, res drainResult) {
-		r.add(name, res.rate(), "events/s")
-		note := ""
-		if res.timedOut {
-			note = "timed out, partial"
-		}
-		rows = append(rows, []string{system, config, fmt.Sprintf("%d", res.done), res.elapsed.Round(time.Millisecond).String(), f1(res.rate()), note})
-		r.note("  %s, %s: %d events in %v, %.1f events/s %s", system, config, res.done, res.elapsed.Round(time.Millisecond), res.rate(), note)
-	}
-
+	var groups [][]drainSpec
 	if c.want("outbox") || c.want("raw") {
 		for _, batch := range c.batchSizes {
 			for _, n := range c.dispatchers {
 				cfg := fmt.Sprintf("%d dispatcher(s), batch %d", n, batch)
 				suffix := fmt.Sprintf("%dd_b%d", n, batch)
+				var g []drainSpec
 				if c.want("outbox") {
-					res, err := pgDrain(ctx, e, c, "outbox", func(ctx context.Context, s *schema) (drainResult, error) {
-						return drainOutbox(ctx, func() (*gorm.DB, error) { return s.gormDB(2) }, n, batch, c.backlog)
-					})
-					if err != nil {
-						return fmt.Errorf("outbox %s: %w", cfg, err)
-					}
-					addRow("outbox", cfg, "dispatch_outbox_"+suffix, res)
+					g = append(g, drainSpec{"outbox", cfg, "dispatch_outbox_" + suffix, func() (drainResult, error) {
+						return pgDrain(ctx, e, c, "outbox", func(ctx context.Context, s *schema) (drainResult, error) {
+							return drainOutbox(ctx, func() (*gorm.DB, error) { return s.gormDB(2) }, n, batch, c.backlog)
+						})
+					}})
 				}
 				if c.want("raw") {
-					res, err := pgDrain(ctx, e, c, "raw", func(ctx context.Context, s *schema) (drainResult, error) {
-						return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDB(2) }, rawPostgres, n, batch, c.backlog)
-					})
-					if err != nil {
-						return fmt.Errorf("raw SQL %s: %w", cfg, err)
-					}
-					addRow("raw SQL loop", cfg, "dispatch_raw_"+suffix, res)
-					// Like for like: the library's claims and settles commit
-					// with synchronous_commit off.
-					res, err = pgDrain(ctx, e, c, "raw_async", func(ctx context.Context, s *schema) (drainResult, error) {
-						return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDBAsync(2) }, rawPostgres, n, batch, c.backlog)
-					})
-					if err != nil {
-						return fmt.Errorf("raw SQL, synchronous_commit off, %s: %w", cfg, err)
-					}
-					addRow("raw SQL loop, synchronous_commit off", cfg, "dispatch_raw_async_"+suffix, res)
+					g = append(g, drainSpec{"raw SQL loop", cfg, "dispatch_raw_" + suffix, func() (drainResult, error) {
+						return pgDrain(ctx, e, c, "raw", func(ctx context.Context, s *schema) (drainResult, error) {
+							return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDB(2) }, rawPostgres, n, batch, c.backlog)
+						})
+					}}, drainSpec{"raw SQL loop, synchronous_commit off", cfg, "dispatch_raw_async_" + suffix, func() (drainResult, error) {
+						// Like for like: the library's claims and settles
+						// commit with synchronous_commit off.
+						return pgDrain(ctx, e, c, "raw_async", func(ctx context.Context, s *schema) (drainResult, error) {
+							return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDBAsync(2) }, rawPostgres, n, batch, c.backlog)
+						})
+					}})
 				}
+				groups = append(groups, g)
 			}
 		}
 	}
 	if c.want("river") {
-		res, err := retry(ctx, e, "river", func() (drainResult, error) { return runRiver(ctx, e, c) })
-		if err != nil {
-			return fmt.Errorf("river: %w", err)
-		}
-		addRow("River", fmt.Sprintf("1 client, %d workers", riverWorkers), "dispatch_river", res)
+		groups = append(groups, []drainSpec{{"River", fmt.Sprintf("1 client, %d workers", riverWorkers), "dispatch_river", func() (drainResult, error) {
+			return retry(ctx, e, "river", func() (drainResult, error) { return runRiver(ctx, e, c) })
+		}}})
 	}
 	if c.want("watermill") {
+		var g []drainSpec
 		for _, batch := range []int{0, 1000} {
-			res, err := retry(ctx, e, "watermill", func() (drainResult, error) { return runWatermill(ctx, e, c, batch) })
-			if err != nil {
-				return fmt.Errorf("watermill batch %d: %w", batch, err)
-			}
 			cfg, name := "forwarder, defaults (batch 100)", "dispatch_watermill_default"
 			if batch != 0 {
 				cfg, name = fmt.Sprintf("forwarder, batch %d", batch), fmt.Sprintf("dispatch_watermill_b%d", batch)
 			}
-			addRow("Watermill", cfg, name, res)
+			g = append(g, drainSpec{"Watermill", cfg, name, func() (drainResult, error) {
+				return retry(ctx, e, "watermill", func() (drainResult, error) { return runWatermill(ctx, e, c, batch) })
+			}})
 		}
+		groups = append(groups, g)
 	}
 	if c.sqlite && c.want("sqlite") {
+		var g []drainSpec
 		for _, batch := range c.batchSizes {
-			cfg := fmt.Sprintf("1 dispatcher, batch %d", batch)
-			res, err := sqliteDrain(ctx, e, c, func(ctx context.Context, dsn string) (drainResult, error) {
-				return drainOutbox(ctx, func() (*gorm.DB, error) { return sqliteGorm(dsn, 1) }, 1, batch, c.backlog)
-			})
-			if err != nil {
-				return fmt.Errorf("sqlite outbox %s: %w", cfg, err)
-			}
-			addRow("outbox, SQLite", cfg, fmt.Sprintf("dispatch_sqlite_outbox_1d_b%d", batch), res)
+			g = append(g, drainSpec{"outbox, SQLite", fmt.Sprintf("1 dispatcher, batch %d", batch), fmt.Sprintf("dispatch_sqlite_outbox_1d_b%d", batch), func() (drainResult, error) {
+				return sqliteDrain(ctx, e, c, func(ctx context.Context, dsn string) (drainResult, error) {
+					return drainOutbox(ctx, func() (*gorm.DB, error) { return sqliteGorm(dsn, 1) }, 1, batch, c.backlog)
+				})
+			}})
 		}
 		batch := c.batchSizes[len(c.batchSizes)-1]
-		res, err := sqliteDrain(ctx, e, c, func(ctx context.Context, dsn string) (drainResult, error) {
-			return drainRaw(ctx, func() (*sql.DB, error) { return sqliteSQL(dsn) }, rawSQLite, 1, batch, c.backlog)
-		})
-		if err != nil {
-			return fmt.Errorf("sqlite raw: %w", err)
-		}
-		addRow("raw SQL loop, SQLite", fmt.Sprintf("1 worker, batch %d", batch), fmt.Sprintf("dispatch_sqlite_raw_1d_b%d", batch), res)
+		g = append(g, drainSpec{"raw SQL loop, SQLite", fmt.Sprintf("1 worker, batch %d", batch), fmt.Sprintf("dispatch_sqlite_raw_1d_b%d", batch), func() (drainResult, error) {
+			return sqliteDrain(ctx, e, c, func(ctx context.Context, dsn string) (drainResult, error) {
+				return drainRaw(ctx, func() (*sql.DB, error) { return sqliteSQL(dsn) }, rawSQLite, 1, batch, c.backlog)
+			})
+		}})
+		groups = append(groups, g)
 	}
 
-	r.table(fmt.Sprintf("dispatch throughput, backlog of %d events over %d aggregates, no-op publisher", c.backlog, c.aggregates),
-		[]string{"system", "configuration", "events", "time", "events/s", ""}, rows)
+	var rows [][]string
+	for _, g := range groups {
+		results, err := drainRepeated(g, c.repeat)
+		if err != nil {
+			return err
+		}
+		for i, spec := range g {
+			res := median(results[i])
+			r.add(spec.name, res.rate(), "events/s")
+			rates := make([]string, len(results[i]))
+			for k, x := range results[i] {
+				rates[k] = f1(x.rate())
+			}
+			note := ""
+			if res.timedOut {
+				note = "timed out, partial"
+			}
+			rows = append(rows, []string{spec.system, spec.config, fmt.Sprintf("%d", res.done), res.elapsed.Round(time.Millisecond).String(), f1(res.rate()), strings.Join(rates, " "), note})
+			r.note("  %s, %s: median of %d drains %.1f events/s (each: %s) %s", spec.system, spec.config, len(rates), res.rate(), strings.Join(rates, ", "), note)
+		}
+	}
+	r.table(fmt.Sprintf("dispatch throughput, backlog of %d events over %d aggregates, no-op publisher, median of %d drains", c.backlog, c.aggregates, c.repeat),
+		[]string{"system", "configuration", "events", "time", "events/s", "each drain", ""}, rows)
 	dispatchRatios(c, r)
 	return nil
+}
+
+// drainSpec is one system's drain in one configuration, and the name of
+// its figure.
+type drainSpec struct {
+	system, config, name string
+	drain                func() (drainResult, error)
+}
+
+// drainRepeated runs every drain of a group repeat times, interleaved
+// (a, b, c, a, b, c, ...), so that a slow spell of the machine falls on
+// all of them rather than on one; it returns each drain's results.
+func drainRepeated(g []drainSpec, repeat int) ([][]drainResult, error) {
+	results := make([][]drainResult, len(g))
+	for range repeat {
+		for i, spec := range g {
+			res, err := spec.drain()
+			if err != nil {
+				return nil, fmt.Errorf("%s, %s: %w", spec.system, spec.config, err)
+			}
+			results[i] = append(results[i], res)
+		}
+	}
+	return results, nil
+}
+
+// median returns the result with the median rate (the lower of the two
+// middle ones for an even count).
+func median(rs []drainResult) drainResult {
+	sorted := slices.Clone(rs)
+	slices.SortFunc(sorted, func(a, b drainResult) int { return cmp.Compare(a.rate(), b.rate()) })
+	return sorted[(len(sorted)-1)/2]
 }
 
 // dispatchRatios records the outbox against each peer: against the raw

@@ -48,6 +48,7 @@ type config struct {
 	dispatchers  []int         // dispatch scenario dispatcher counts
 	batchSizes   []int         // dispatch scenario batch sizes
 	sqlite       bool          // also run the SQLite variants
+	repeat       int           // drains per dispatch figure, which is their median
 	only         map[string]bool
 	smoke        bool
 }
@@ -82,6 +83,7 @@ func defaultConfig() config {
 		dispatchers:  []int{1, 4},
 		batchSizes:   []int{100, 1000},
 		sqlite:       true,
+		repeat:       3,
 	}
 }
 
@@ -95,6 +97,7 @@ func smokeConfig(c config) config {
 	c.smallBacklog = 1000
 	c.bigBacklog = 4000
 	c.batchSizes = []int{1000}
+	c.repeat = 1
 	return c
 }
 
@@ -119,6 +122,7 @@ func main() {
 	flag.IntVar(&c.smallBacklog, "small-backlog", c.smallBacklog, "events in the backlog scenario's small backlog")
 	flag.IntVar(&c.aggregates, "aggregates", c.aggregates, "distinct aggregates in loaded backlogs")
 	flag.BoolVar(&c.sqlite, "sqlite", c.sqlite, "also run the SQLite variants of write and dispatch")
+	flag.IntVar(&c.repeat, "repeat", c.repeat, "drains per dispatch figure, interleaved across systems; the figure is their median")
 	smoke := flag.Bool("smoke", false, "tiny sizes and short durations, to check that everything runs (CI)")
 	only := flag.String("only", "", "comma-separated scenarios to run: "+strings.Join(scenarioNames, ", ")+
 		" (or dispatch parts: "+strings.Join(dispatchParts, ", ")+")")
@@ -186,6 +190,8 @@ func (c config) validate() error {
 		return errors.New("-big-backlog must be between 100 and 20,000,000")
 	case c.aggregates < 1 || c.aggregates > 1_000_000:
 		return errors.New("-aggregates must be between 1 and 1,000,000")
+	case c.repeat < 1 || c.repeat > 15:
+		return errors.New("-repeat must be between 1 and 15")
 	}
 	return nil
 }
