@@ -66,5 +66,8 @@
 //
 // SQLite is the embedded default for development and tests; PostgreSQL is
 // the production engine, where any number of dispatchers in any number of
-// processes share one table through FOR UPDATE SKIP LOCKED.
+// processes share one table through FOR UPDATE SKIP LOCKED. There a
+// dispatcher's claims and settles commit without waiting for their WAL to
+// be flushed: a crash of the server may forget the last of them, and their
+// events are delivered again, which at-least-once delivery allows.
 package outbox
