@@ -104,7 +104,7 @@ func leaseSQL(d dialect, t tables, where, seen string) string {
 	}
 	return `UPDATE ` + t.records + ` SET
 	delivery_state = 'delivering', batch_id = ?, locked_until = ?, next_attempt_at = ?, updated_at = ?
-WHERE ` + where + d.asyncCommit() + `
+WHERE (` + where + `)` + d.asyncCommit() + `
 RETURNING ` + returning
 }
 

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"gorm.io/gorm"
+
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
@@ -438,10 +440,15 @@ func TestNewDispatcherValidatesOptions(t *testing.T) {
 	if _, err := outbox.NewDispatcher(db, nil); !errors.Is(err, outbox.ErrInvalidOption) {
 		t.Errorf("nil publisher: err = %v, want ErrInvalidOption", err)
 	}
-	tx := db.Begin()
-	defer tx.Rollback()
-	if _, err := outbox.NewDispatcher(tx, p); !errors.Is(err, outbox.ErrInvalidOption) {
-		t.Errorf("db inside a transaction: err = %v, want ErrInvalidOption", err)
+	for name, session := range map[string]*gorm.DB{
+		"Begin":                db,
+		"BeginWithPrepareStmt": db.Session(&gorm.Session{PrepareStmt: true}),
+	} {
+		tx := session.Begin() // one at a time: SQLite has one writer
+		if _, err := outbox.NewDispatcher(tx.WithContext(context.Background()), p); !errors.Is(err, outbox.ErrInvalidOption) {
+			t.Errorf("db inside a transaction (%s): err = %v, want ErrInvalidOption", name, err)
+		}
+		mustNil(t, tx.Rollback().Error)
 	}
 }
 

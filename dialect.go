@@ -52,14 +52,14 @@ type dialect interface {
 	// has row locks, nothing where a write statement holds the whole
 	// database.
 	skipLocked() string
-	// asyncCommit is a condition, true, to append to the WHERE of the
-	// dispatcher's bookkeeping statements (a claim's lease, a settle) so
-	// that the statement's own transaction commits without waiting for
-	// its WAL to reach disk, where the engine allows that per transaction;
-	// empty elsewhere. A crash of the server may then forget the last
-	// leases and settles before it, and their events are delivered again:
-	// at least once allows that, and the events themselves were written
-	// by the caller's transaction, with its durability.
+	// asyncCommit is a condition, always true, to append to the WHERE of
+	// a claim's lease and of a settle (and of no other statement) so that
+	// the statement's own transaction commits without waiting for its WAL
+	// to reach disk, where the engine allows that per transaction; empty
+	// elsewhere. A crash of the server may then forget the last leases and
+	// settles before it, and their events are delivered again: at least
+	// once allows that, and the events themselves were written by the
+	// caller's transaction, with its durability.
 	asyncCommit() string
 	// rejectsData reports whether err is the engine refusing a value (bad
 	// encoding, a number out of range) rather than a failure of the

@@ -199,11 +199,13 @@ func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", [
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
 // asyncCommit sets synchronous_commit off for the statement's own
-// transaction (set_config with is_local), through a subquery that the
-// planner evaluates once, before the first row is written: the commit then
-// returns without waiting for the WAL flush, or for a synchronous standby.
+// transaction (set_config with is_local), through an uncorrelated subquery
+// that runs once, within the statement and so before its commit: the
+// commit then returns without waiting for the WAL flush, or for a
+// synchronous standby. set_config never returns NULL, so the condition is
+// true whatever text the setting comes back as.
 func (postgresDialect) asyncCommit() string {
-	return ` AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'`
+	return ` AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`
 }
 
 // rejectsData: SQLSTATE class 22 is "data exception".

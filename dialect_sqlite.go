@@ -91,8 +91,8 @@ func (sqliteDialect) idsIn(ids []int64) (string, []any) {
 func (sqliteDialect) skipLocked() string { return "" }
 
 // asyncCommit is empty: how a SQLite commit syncs is the connection's
-// synchronous pragma, which the DSN sets (NORMAL, in WAL mode, syncs only
-// at checkpoints).
+// synchronous pragma (mattn/go-sqlite3 sets NORMAL unless the DSN's _sync
+// says otherwise; in WAL mode NORMAL syncs only at checkpoints).
 func (sqliteDialect) asyncCommit() string { return "" }
 
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }

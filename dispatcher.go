@@ -68,9 +68,17 @@ const (
 // synchronous_commit off, in their own transactions only: they do not wait
 // for their WAL to reach the disk, or a synchronous standby. A crash of the
 // server can forget the last of them (up to three times wal_writer_delay,
-// 600ms by default); their events are then delivered again, as at-least-once
-// delivery allows. The events themselves are written by the caller's
-// transaction, as durably as it commits.
+// 600ms by default; after a failover, those the standby had not received).
+// A forgotten settle leaves its rows leased, to be delivered again when the
+// lease passes; a forgotten lease makes its rows due again while their
+// dispatcher may still be publishing them, so that another dispatcher may
+// publish the same events at the same time. Either way an event is
+// delivered again, never lost, and never handed out before the events of
+// its aggregate before it were accepted once (the log is replayed in
+// order, so a lease that survives was taken after the settles before it);
+// consumers see the redelivered events again, in order, after newer ones.
+// The events themselves are written by the caller's transaction, as
+// durably as it commits.
 //
 // The table name is taken from the outbox plugin registered on the
 // *gorm.DB, or [DefaultTable] when none is. A Dispatcher is safe for
@@ -116,7 +124,8 @@ func WithBatchSize(n int) DispatcherOption {
 // WithLease sets how long a claimed row stays leased to its dispatcher
 // (default [DefaultLease]). It must exceed the publish timeout: a batch
 // still publishing when its lease ends may be claimed, and delivered,
-// again.
+// again. A lease forgotten by a crash of the PostgreSQL server ends early
+// (see [Dispatcher]).
 func WithLease(lease time.Duration) DispatcherOption {
 	return func(d *Dispatcher) error {
 		if lease < 10*time.Millisecond {

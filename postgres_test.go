@@ -39,6 +39,8 @@ func TestPostgresBookkeepingCommitsAsynchronouslyAndOnlyItself(t *testing.T) {
 	sqlDB, err := b.db.DB()
 	mustNil(t, err)
 	sqlDB.SetMaxOpenConns(1) // every statement below runs on one connection
+	// Whatever the server's default, the connection starts synchronous.
+	mustNil(t, b.db.Exec(`SET synchronous_commit = on`).Error)
 	mustNil(t, b.db.Exec(`CREATE TABLE commit_modes (state text, mode text)`).Error)
 	mustNil(t, b.db.Exec(`CREATE FUNCTION log_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
