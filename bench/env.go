@@ -104,20 +104,16 @@ func (s *schema) drop() {
 }
 
 // sqlDB opens a database/sql pool (pgx driver) in the schema.
-func (s *schema) sqlDB(maxConns int) (*sql.DB, error) {
-	db, err := sql.Open("pgx", s.DSN)
-	if err != nil {
-		return nil, err
-	}
-	db.SetMaxOpenConns(maxConns)
-	db.SetMaxIdleConns(maxConns)
-	return db, nil
-}
+func (s *schema) sqlDB(maxConns int) (*sql.DB, error) { return openPool(s.DSN, maxConns) }
 
 // sqlDBAsync is sqlDB with synchronous_commit off for every transaction
 // of the pool.
 func (s *schema) sqlDBAsync(maxConns int) (*sql.DB, error) {
-	db, err := sql.Open("pgx", s.DSN+" synchronous_commit=off")
+	return openPool(s.DSN+" synchronous_commit=off", maxConns)
+}
+
+func openPool(dsn string, maxConns int) (*sql.DB, error) {
+	db, err := sql.Open("pgx", dsn)
 	if err != nil {
 		return nil, err
 	}
