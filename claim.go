@@ -288,9 +288,33 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	if !d.lastPark.CompareAndSwap(last, now.UnixNano()) {
 		return
 	}
+	blockers, err := d.blockers(ctx, now)
+	if err == nil {
+		err = d.park(ctx, blockers, now)
+	}
+	if err != nil {
+		d.log.Warn("outbox: could not park the rows behind events that wait; claims step over them meanwhile", "error", err)
+	}
+}
+
+// blocker is the head of an aggregate that waits (for a retry, or for
+// RetryFailed), and until when the rows behind it wait with it.
+type blocker struct {
+	aggregateType, aggregateID string
+	head                       int64
+	until                      scanTime
+}
+
+// blockers finds the waiting heads of the aggregates seen in the window of
+// due rows. Every lookup is a scalar subquery, run once per aggregate
+// through the aggregate index: joined instead, the planner may drive the
+// query from the heads' condition, which statistics taken when the backlog
+// was due misjudge, and scan every row that is not due (seen: a quarter of
+// a second per call on a backlog of 200,000).
+func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
 	t := d.t
 	ts := d.d.timeArg(now)
-	_, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`WITH seen AS (
+	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
 	SELECT DISTINCT c.aggregate_type AS bt, c.aggregate_id AS ba FROM (
 		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM `+t.records+` r
 		WHERE `+dueSQL("r")+`
@@ -298,21 +322,50 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 		LIMIT ?
 	) c
 	WHERE c.aggregate_sequence > 1
-), blocker AS (
-	SELECT bt, ba, h.aggregate_sequence AS hs,
-		CASE WHEN h.delivery_state = 'failed' THEN ? ELSE h.next_attempt_at END AS until
-	FROM seen JOIN `+t.records+` h ON h.aggregate_type = bt AND h.aggregate_id = ba
-	WHERE h.delivery_state <> 'delivered'
-		AND h.aggregate_sequence = (SELECT min(m.aggregate_sequence) FROM `+t.records+` m
-			WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered')
-		AND (h.delivery_state = 'failed' OR (h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ?))
+), heads AS MATERIALIZED (
+	SELECT bt, ba, (SELECT min(m.aggregate_sequence) FROM `+t.records+` m
+		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
+	FROM seen
+), waits AS MATERIALIZED (
+	SELECT bt, ba, hs, (SELECT CASE
+			WHEN h.delivery_state = 'failed' THEN ?
+			WHEN h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ? THEN h.next_attempt_at
+		END FROM `+t.records+` h
+		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
+			AND h.delivery_state <> 'delivered') AS until
+	FROM heads
+	WHERE hs IS NOT NULL
 )
-UPDATE `+t.records+` SET next_attempt_at = blocker.until, updated_at = ?
-FROM blocker
-WHERE aggregate_type = bt AND aggregate_id = ba AND aggregate_sequence > hs
-	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < blocker.until`),
-		ts, scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)), ts, ts)
+SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
+		ts, scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)), ts)
 	if err != nil {
-		d.log.Warn("outbox: could not park the rows behind events that wait; claims step over them meanwhile", "error", err)
+		return nil, err
 	}
+	defer res.Close()
+	var out []blocker
+	for res.Next() {
+		var b blocker
+		if err := res.Scan(&b.aggregateType, &b.aggregateID, &b.head, &b.until); err != nil {
+			return nil, err
+		}
+		out = append(out, b)
+	}
+	return out, res.Err()
+}
+
+// park moves the due rows behind each blocker to its time, one statement
+// per blocker through the aggregate index. A blocker that moved since it
+// was read makes its rows wait at most until that time.
+func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) error {
+	ts := d.d.timeArg(now)
+	for _, b := range blockers {
+		until := d.d.timeArg(b.until.Time)
+		if _, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
+WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
+	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?`),
+			until, ts, b.aggregateType, b.aggregateID, b.head, until); err != nil {
+			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
+		}
+	}
+	return nil
 }

@@ -81,6 +81,52 @@ func TestRetryingPredecessorHoldsBackDueSuccessor(t *testing.T) {
 	})
 }
 
+func TestRowsBehindAWaitingHeadAreParkedUntilItCanMove(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		for _, agg := range []string{"retry", "dead", "flight"} {
+			publishN(t, b.db, agg, 3)
+		}
+		publishN(t, b.db, "free", 1)
+		retryAt := time.Now().Add(time.Hour).UTC().Truncate(time.Millisecond)
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1, next_attempt_at = ? WHERE aggregate_id = 'retry' AND aggregate_sequence = 1`, retryAt).Error)
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivery_attempts = 1 WHERE aggregate_id = 'dead' AND aggregate_sequence = 1`).Error)
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', next_attempt_at = ?, locked_until = ? WHERE aggregate_id = 'flight' AND aggregate_sequence = 1`, retryAt, retryAt).Error)
+
+		const lease = 2 * time.Hour
+		before := time.Now()
+		rec := &recorder{}
+		d := newDispatcher(t, b.db, rec, outbox.WithLease(lease))
+		dispatch(t, d) // takes free#1 only: a batch that is not full parks
+		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/free#1]" {
+			t.Fatalf("accepted %s, want the free aggregate only", got)
+		}
+
+		for _, r := range b.records(t) {
+			if r.AggregateSequence == 1 {
+				continue
+			}
+			at := r.NextAttemptAt
+			var ok bool
+			var want string
+			switch r.AggregateID {
+			case "retry":
+				ok, want = at.Equal(retryAt), fmt.Sprintf("its head's retry at %v", retryAt)
+			case "dead":
+				ok, want = !at.Before(before.Add(lease)) && !at.After(time.Now().Add(lease)), "one lease from now"
+			case "flight":
+				ok, want = !at.After(before), "left due: its head settles within the publish timeout"
+			}
+			if !ok {
+				t.Errorf("%s#%d: next attempt %v, want %s", r.AggregateID, r.AggregateSequence, at, want)
+			}
+			if r.DeliveryState != "pending" {
+				t.Errorf("%s#%d: state %s, want pending", r.AggregateID, r.AggregateSequence, r.DeliveryState)
+			}
+		}
+	})
+}
+
 func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
