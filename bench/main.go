@@ -28,6 +28,7 @@ import (
 	"os"
 	"os/signal"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -123,6 +124,8 @@ func main() {
 	flag.IntVar(&c.aggregates, "aggregates", c.aggregates, "distinct aggregates in loaded backlogs")
 	flag.BoolVar(&c.sqlite, "sqlite", c.sqlite, "also run the SQLite variants of write and dispatch")
 	flag.IntVar(&c.repeat, "repeat", c.repeat, "drains per dispatch figure, interleaved across systems; the figure is their median")
+	flag.Var((*intList)(&c.dispatchers), "dispatchers", "comma-separated dispatcher counts of the dispatch scenario")
+	flag.Var((*intList)(&c.batchSizes), "batches", "comma-separated batch sizes of the dispatch scenario")
 	smoke := flag.Bool("smoke", false, "tiny sizes and short durations, to check that everything runs (CI)")
 	only := flag.String("only", "", "comma-separated scenarios to run: "+strings.Join(scenarioNames, ", ")+
 		" (or dispatch parts: "+strings.Join(dispatchParts, ", ")+")")
@@ -193,6 +196,43 @@ func (c config) validate() error {
 	case c.repeat < 1 || c.repeat > 15:
 		return errors.New("-repeat must be between 1 and 15")
 	}
+	for _, n := range c.dispatchers {
+		if n < 1 || n > 64 {
+			return errors.New("-dispatchers must list counts between 1 and 64")
+		}
+	}
+	for _, n := range c.batchSizes {
+		if n < 1 || n > 100_000 {
+			return errors.New("-batches must list sizes between 1 and 100,000")
+		}
+	}
+	return nil
+}
+
+// intList is a flag of comma-separated positive integers, as "1,4".
+type intList []int
+
+func (l *intList) String() string {
+	parts := make([]string, len(*l))
+	for i, n := range *l {
+		parts[i] = strconv.Itoa(n)
+	}
+	return strings.Join(parts, ",")
+}
+
+func (l *intList) Set(s string) error {
+	var out []int
+	for _, part := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(part))
+		if err != nil {
+			return fmt.Errorf("%q is not a number", part)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return errors.New("empty list")
+	}
+	*l = out
 	return nil
 }
 
