@@ -13,6 +13,24 @@ import (
 
 // A claim takes the oldest due events first, and runs when others hold them.
 //
+// Order. An event is handed to a publisher only after the one before it in
+// its aggregate was accepted, or after it in the same batch. A claim checks
+// exactly that: the event just before the first one it takes of an
+// aggregate (sequence minus one) must be delivered, or gone (cleanup
+// deletes only delivered rows), or not exist (sequence 1). One index probe
+// for one key, whatever the aggregate's history: a probe for "nothing
+// undelivered before" would walk every index entry that the aggregate's
+// delivered events left behind until VACUUM removes them, and grew with
+// the backlog. It is enough because delivered events form a prefix of
+// their aggregate's sequence: a claim takes an event only behind a
+// delivered one, a publisher may not accept an event after a failed one
+// of its aggregate in the batch, and settle marks such an event not
+// attempted if it does (see outcomes). The one way a delivered event can
+// sit behind an undelivered one is a settle that comes after its lease
+// passed: the events it marks delivered were accepted in order, and the
+// earlier ones, claimed again meanwhile, are delivered again; first
+// deliveries stay in order.
+//
 // Runs. A run is the due prefix of one aggregate's undelivered events: it
 // starts at the aggregate's head (its first undelivered event) and goes on
 // in sequence order, without gaps, up to the first event that is not due
@@ -26,9 +44,9 @@ import (
 // Oldest first. The claim
 // looks at the batch size of oldest due rows and leases those that keep
 // each aggregate's order: per aggregate, the rows from its first one in
-// the window on, in sequence order without a gap, provided nothing
-// undelivered comes before that first one (one probe per aggregate, not
-// per row). A dispatcher thus takes its backlog in the order it was
+// the window on, in sequence order without a gap, provided the event
+// before that first one was delivered (one probe per aggregate, not per
+// row). A dispatcher thus takes its backlog in the order it was
 // written, which keeps a batch on a few neighbouring pages; a run in an
 // interleaved backlog is spread over as many pages as it has rows. When
 // the window holds rows back (other dispatchers hold their aggregates, or
@@ -61,9 +79,9 @@ func dueSQL(a string) string {
 	return a + `.delivery_state IN ('pending', 'retry', 'delivering') AND ` + a + `.next_attempt_at <= ?`
 }
 
-// headsSQL selects heads oldest first: due rows with no undelivered
-// predecessor in their aggregate (the first event of an aggregate has none
-// to look for), among the first window due rows. The window bounds what a
+// headsSQL selects heads oldest first: due rows whose predecessor in their
+// aggregate is delivered (see Order above; the first event of an aggregate
+// has none to look for), among the first window due rows. The window bounds what a
 // claim steps over: rows behind a run in flight stay due, and without it a
 // claim would look at every one of them (a deep aggregate whose run is in
 // flight made every other dispatcher's claim read all its rows). Heads
@@ -82,7 +100,7 @@ func headsSQL(t tables, columns string) string {
 		AND (r.aggregate_sequence = 1 OR NOT EXISTS (
 			SELECT 1 FROM ` + t.records + ` p
 			WHERE p.aggregate_type = r.aggregate_type AND p.aggregate_id = r.aggregate_id
-				AND p.aggregate_sequence < r.aggregate_sequence AND p.delivery_state <> 'delivered'))
+				AND p.aggregate_sequence = r.aggregate_sequence - 1 AND p.delivery_state <> 'delivered'))
 	ORDER BY w.wnext, w.wid`
 }
 
@@ -112,8 +130,8 @@ RETURNING ` + returning
 // locked with d's row-locking clause (dialect.skipLocked: none where the
 // claim holds the database's write lock). The window w is the batch size
 // of oldest due rows. For each aggregate in it, f is its
-// lowest sequence there, and h keeps the aggregates with nothing
-// undelivered before that one. In each kept aggregate the rows whose
+// lowest sequence there, and h keeps the aggregates whose event before
+// that one was delivered. In each kept aggregate the rows whose
 // sequence minus their rank is the first sequence's are those that follow
 // it without a gap; a row missing from the window because it is not due
 // leaves a gap, so nothing behind it is taken. Each returned
@@ -130,7 +148,7 @@ func oldestSQL(d dialect, t tables) string {
 	WHERE first = 1 OR NOT EXISTS (
 		SELECT 1 FROM ` + t.records + ` p
 		WHERE p.aggregate_type = f.typ AND p.aggregate_id = f.agg
-			AND p.aggregate_sequence < f.first AND p.delivery_state <> 'delivered')
+			AND p.aggregate_sequence = f.first - 1 AND p.delivery_state <> 'delivered')
 ), k AS (
 	SELECT o.id FROM (
 		SELECT id, typ, agg, seq - row_number() OVER (PARTITION BY typ, agg ORDER BY seq) AS base FROM w

@@ -62,6 +62,44 @@ func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
 	})
 }
 
+func TestMessageAcceptedAfterAFailedOneIsDeliveredAgainAfterIt(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		publishN(t, b.db, "a", 3)
+		first := true
+		// Against the Publisher contract, the first batch accepts a#2 after
+		// a#1 failed.
+		rec := &recorder{next: func(batch outbox.Batch) error {
+			if !first {
+				return nil
+			}
+			first = false
+			return &outbox.PartialError{Failed: map[string]error{
+				batch.Messages[0].EventID: errors.New("a#1 down"),
+				batch.Messages[2].EventID: outbox.ErrNotAttempted,
+			}}
+		}}
+		zero := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
+		d := newDispatcher(t, b.db, rec, outbox.WithRetryPolicy(zero), outbox.WithPollInterval(time.Millisecond))
+		if n := dispatch(t, d); n != 0 {
+			t.Fatalf("delivered %d, want 0: a#2 came after a failed a#1", n)
+		}
+		if s := fmt.Sprint(states(t, b)); s != "[retry pending pending]" {
+			t.Fatalf("states %s, want [retry pending pending]: a#2 must not be marked delivered ahead of a#1", s)
+		}
+		for range 3 {
+			time.Sleep(5 * time.Millisecond)
+			dispatch(t, d)
+		}
+		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/a#2 agg/a#1 agg/a#2 agg/a#3]" {
+			t.Fatalf("accepted %s, want a#2 again after a#1, then a#3", got)
+		}
+		if s := fmt.Sprint(states(t, b)); s != "[delivered delivered delivered]" {
+			t.Fatalf("states %s, want all delivered", s)
+		}
+	})
+}
+
 func TestRetryingPredecessorHoldsBackDueSuccessor(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)

@@ -76,7 +76,9 @@ func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
 //
 // A publisher must not accept a message after a failed one of the same
 // aggregate in the same batch: report [ErrNotAttempted] for it instead, so
-// that per-aggregate order holds.
+// that per-aggregate order holds. A message accepted all the same is
+// logged as an error and settled as not attempted: it is delivered again,
+// after the failed one.
 type PartialError struct {
 	Failed map[string]error
 }

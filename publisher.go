@@ -61,7 +61,8 @@ type Batch struct {
 // Messages of one aggregate appear in the batch in Sequence order. A
 // publisher that accepts messages one by one must not accept a message
 // after a failed one of the same aggregate; it reports [ErrNotAttempted]
-// for those instead.
+// for those instead (one it accepts all the same is delivered again, after
+// the failed one).
 //
 // Publish is called outside any database transaction, with a context whose
 // deadline is shorter than the dispatcher's lease. It must honour that

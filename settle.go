@@ -149,6 +149,11 @@ func retryDelay(err error) time.Duration {
 	return 0
 }
 
+// errAcceptedOutOfOrder is the outcome of a message that a publisher
+// accepted after a failed one of the same aggregate in the batch, against
+// the Publisher contract: it is put back as not attempted.
+var errAcceptedOutOfOrder = fmt.Errorf("%w: accepted after a failed message of its aggregate in the batch", ErrNotAttempted)
+
 // outcomes returns, per row, nil when the publisher accepted it or why not.
 func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 	out := make([]error, len(rows))
@@ -163,7 +168,12 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 			if out[i] != nil {
 				failedAggregates[agg] = true
 			} else if failedAggregates[agg] {
-				d.log.Error("outbox: publisher accepted a message after a failed one of the same aggregate; per-aggregate order is broken downstream",
+				// Marked delivered, it would let the events after it go
+				// before the failed one is accepted (a claim checks only
+				// the event just before, see claim.go): it comes back
+				// after the failed one instead.
+				out[i] = errAcceptedOutOfOrder
+				d.log.Error("outbox: publisher accepted a message after a failed one of the same aggregate; per-aggregate order is broken downstream, and the message will be delivered again after the failed one",
 					"event_id", r.msg.EventID, "aggregate_type", agg[0], "aggregate_id", agg[1], "sequence", r.msg.Sequence)
 			}
 		}
