@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -63,6 +64,42 @@ END $$`).Error)
 	mustNil(t, b.db.Raw(`SHOW synchronous_commit`).Scan(&mode).Error)
 	if mode != "on" {
 		t.Fatalf("synchronous_commit after dispatch = %q on the dispatcher's connection, want on", mode)
+	}
+}
+
+// All the accepted rows of a batch are marked delivered by one statement,
+// whatever their attempt counts: split, a failure between two statements
+// could leave an event delivered behind an accepted one of its aggregate
+// that is not, and claims check only the event just before.
+func TestPostgresSettleMarksABatchDeliveredInOneStatement(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	mustNil(t, b.db.Exec(`CREATE TABLE settles (delivered bigint)`).Error)
+	mustNil(t, b.db.Exec(`CREATE FUNCTION log_settle() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	INSERT INTO settles SELECT count(*) FROM new_rows WHERE delivery_state = 'delivered' HAVING count(*) > 0;
+	RETURN NULL;
+END $$`).Error)
+	mustNil(t, b.db.Exec(`CREATE TRIGGER log_settle AFTER UPDATE ON outbox_records
+	REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION log_settle()`).Error)
+	publishN(t, b.db, "a", 2)
+	publishN(t, b.db, "b", 2)
+	// b's events were attempted once before: the batch mixes attempt counts.
+	mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_attempts = 1 WHERE aggregate_id = 'b'`).Error)
+
+	if n := dispatch(t, newDispatcher(t, b.db, &recorder{})); n != 4 {
+		t.Fatalf("delivered %d, want 4", n)
+	}
+	var settles []int64
+	mustNil(t, b.db.Raw(`SELECT delivered FROM settles`).Scan(&settles).Error)
+	if !slices.Equal(settles, []int64{4}) {
+		t.Fatalf("statements marking rows delivered, by rows: %v, want one of 4", settles)
+	}
+	var attempts []string
+	for _, r := range b.records(t) {
+		attempts = append(attempts, fmt.Sprintf("%s#%d:%d", r.AggregateID, r.AggregateSequence, r.DeliveryAttempts))
+	}
+	if got, want := strings.Join(attempts, " "), "a#1:1 a#2:1 b#1:2 b#2:2"; got != want {
+		t.Fatalf("attempts %s, want %s", got, want)
 	}
 }
 

@@ -28,7 +28,12 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 	)
 	for i, r := range rows {
 		err := outcomes[i]
-		k := settleKey{state: StateDelivered, attempts: r.attempts + 1, next: now}
+		// Every accepted row is settled by one statement, whatever its
+		// attempts (settleGroup counts the attempt in SQL): split, a
+		// failure between the statements could leave an event marked
+		// delivered behind an accepted one of its aggregate that is not,
+		// and the claim checks only the event just before (claim.go).
+		k := settleKey{state: StateDelivered, next: now}
 		switch {
 		case err == nil:
 			delivered++
@@ -40,6 +45,7 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 				k.state = StatePending
 			}
 		default:
+			k.attempts = r.attempts + 1
 			k.lastErr, k.hasErr = truncate(err.Error(), maxErrorLen), true
 			if IsPermanent(err) || k.attempts >= d.maxAttempts {
 				k.state = StateFailed
@@ -96,9 +102,17 @@ type settleKey struct {
 
 // settleGroup applies one outcome to the rows ids, by primary key (the
 // planner answers an IN list with the primary key index whatever it thinks
-// of batch_id), and returns how many it updated.
+// of batch_id), and returns how many it updated. Delivered rows count
+// their attempt in SQL, so that they share one statement.
 func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []int64, now time.Time) (int, error) {
-	args := []any{k.state, k.attempts, d.d.timeArg(k.next)}
+	attempts := "?"
+	args := []any{k.state}
+	if k.state == StateDelivered {
+		attempts = "delivery_attempts + 1"
+	} else {
+		args = append(args, k.attempts)
+	}
+	args = append(args, d.d.timeArg(k.next))
 	lastErr := "last_error" // not attempted: keep the reason of the last failure
 	switch {
 	case k.state == StateDelivered:
@@ -116,7 +130,7 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 	args = append(args, idArgs...)
 	args = append(args, batchID)
 	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
-	delivery_state = ?, delivery_attempts = ?, next_attempt_at = ?, last_error = `+lastErr+`,
+	delivery_state = ?, delivery_attempts = `+attempts+`, next_attempt_at = ?, last_error = `+lastErr+`,
 	locked_until = NULL, delivered_at = ?, updated_at = ?
 WHERE id `+in+` AND batch_id = ? AND delivery_state = 'delivering'`+d.d.asyncCommit()), args...)
 	if err != nil {
