@@ -24,20 +24,24 @@ import (
 // the backlog. It is enough because delivered events form a prefix of
 // their aggregate's sequence: a claim takes an event only behind a
 // delivered one, a publisher may not accept an event after a failed one
-// of its aggregate in the batch, and settle marks such an event not
-// attempted if it does (see outcomes). The one way a delivered event can
+// of its aggregate in the batch, settle marks such an event not attempted
+// if it does (see outcomes), and settle marks all the accepted events of
+// a batch delivered in one statement. The one way a delivered event can
 // sit behind an undelivered one is a settle that comes after its lease
 // passed: the events it marks delivered were accepted in order, and the
 // earlier ones, claimed again meanwhile, are delivered again; first
-// deliveries stay in order.
+// deliveries stay in order. The events after such a delivered one are not
+// held back by the earlier ones' second delivery, even if it is
+// dead-lettered: they were accepted once, before it.
 //
 // Runs. A run is the due prefix of one aggregate's undelivered events: it
-// starts at the aggregate's head (its first undelivered event) and goes on
+// starts at a head (an event whose predecessor was delivered: the
+// aggregate's first undelivered event but for a late settle) and goes on
 // in sequence order, without gaps, up to the first event that is not due
 // (waiting for a retry, in flight, dead-lettered). A run claim picks heads
 // oldest first, through the due index in its order (next_attempt_at, id),
 // and takes each head's run until the batch is full. While one dispatcher
-// holds an aggregate's run, no other sees a head for that aggregate, so
+// holds an aggregate's run, no other sees a head there before its end, so
 // dispatchers sharing a backlog split it by aggregate instead of colliding
 // on the same window of rows.
 //
@@ -58,9 +62,9 @@ import (
 // rewritten to be held back. Rows that are due but not heads are stepped
 // over, and a run claim's head scan looks only at a bounded window of due
 // rows (scanWindow). Those behind a run in flight stay: it settles within
-// the publish timeout. Those behind a head that waits for a retry or was
-// dead-lettered are moved out of the due range by parkBlocked until their
-// head can move, so that a long outage does not fill every claim's window
+// the publish timeout. Those behind an event that waits for a retry or was
+// dead-lettered are moved out of the due range by parkBlocked until that
+// event can move, so that a long outage does not fill every claim's window
 // with everything that arrived during it.
 
 // claimArgs are the values one claim works with.
@@ -285,13 +289,13 @@ func sortByID(rows []claimed) []claimed {
 	return rows
 }
 
-// parkBlocked moves the due rows stepped over by the head scan, those
-// behind a head that waits for a retry or was dead-lettered, to when that
-// head can move: the retry's time, or one lease from now for a
-// dead-lettered head (it comes back only through RetryFailed, which makes
-// the pending rows behind it due again; the lease bounds the wait if it
-// comes back some other way). Rows behind a head that is in flight are
-// left alone: it settles within the publish timeout.
+// parkBlocked moves the due rows that claims step over because the event
+// before them waits for a retry or was dead-lettered to when that event
+// can move: the retry's time, or one lease from now for a dead letter (it
+// comes back only through RetryFailed, which makes the pending rows behind
+// it due again; the lease bounds the wait if it comes back some other
+// way). Rows behind an event in flight are left alone: it settles within
+// the publish timeout.
 //
 // It looks at the same window of due rows as a claim, and runs at most once
 // per poll interval per dispatcher, after a batch that was not full: in
@@ -315,35 +319,37 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	}
 }
 
-// blocker is the head of an aggregate that waits (for a retry, or for
-// RetryFailed), and until when the rows behind it wait with it.
+// blocker is an event that waits (for a retry, or for RetryFailed) with
+// due events of its aggregate behind it, and until when those wait with
+// it.
 type blocker struct {
 	aggregateType, aggregateID string
 	head                       int64
 	until                      scanTime
 }
 
-// blockers finds the waiting heads of the aggregates seen in the window of
-// due rows. Every lookup is a scalar subquery, run once per aggregate
-// through the aggregate index: joined instead, the planner may drive the
-// query from the heads' condition, which statistics taken when the backlog
-// was due misjudge, and scan every row that is not due (seen: a quarter of
-// a second per call on a backlog of 200,000).
+// blockers finds, for each aggregate seen in the window of due rows, the
+// event just before its first one there, if that event waits: for a retry
+// (until its time), or dead-lettered (for one lease). That is the event
+// the claims hold the aggregate back for (see Order above), so one lookup
+// of one key per aggregate; an event before it that waits too is found
+// once the rows behind it move. Every lookup is a scalar subquery: joined
+// instead, the planner may drive the query from the waiting condition,
+// which statistics taken when the backlog was due misjudge, and scan every
+// row that is not due (seen: a quarter of a second per call on a backlog
+// of 200,000).
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
 	t := d.t
 	ts := d.d.timeArg(now)
 	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
-	SELECT DISTINCT c.aggregate_type AS bt, c.aggregate_id AS ba FROM (
+	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) - 1 AS hs FROM (
 		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM `+t.records+` r
 		WHERE `+dueSQL("r")+`
 		ORDER BY r.next_attempt_at, r.id
 		LIMIT ?
 	) c
-	WHERE c.aggregate_sequence > 1
-), heads AS MATERIALIZED (
-	SELECT bt, ba, (SELECT min(m.aggregate_sequence) FROM `+t.records+` m
-		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
-	FROM seen
+	GROUP BY c.aggregate_type, c.aggregate_id
+	HAVING min(c.aggregate_sequence) > 1
 ), waits AS MATERIALIZED (
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN ?
@@ -351,8 +357,7 @@ func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, er
 		END FROM `+t.records+` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS until
-	FROM heads
-	WHERE hs IS NOT NULL
+	FROM seen
 )
 SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
 		ts, scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)), ts)
@@ -372,16 +377,21 @@ SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
 }
 
 // park moves the due rows behind each blocker to its time, one statement
-// per blocker through the aggregate index. A blocker that moved since it
-// was read makes its rows wait at most until that time.
+// per blocker through the aggregate index, provided the blocker still
+// waits as it did when it was read: RetryFailed may have brought a dead
+// letter back meanwhile, and made the rows behind it due.
 func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) error {
 	ts := d.d.timeArg(now)
 	for _, b := range blockers {
 		until := d.d.timeArg(b.until.Time)
 		if _, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
 WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
-	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?`),
-			until, ts, b.aggregateType, b.aggregateID, b.head, until); err != nil {
+	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?
+	AND EXISTS (SELECT 1 FROM `+d.t.records+` h
+		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
+			AND (h.delivery_state = 'failed' OR (h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ?)))`),
+			until, ts, b.aggregateType, b.aggregateID, b.head, until,
+			b.aggregateType, b.aggregateID, b.head, ts); err != nil {
 			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
 		}
 	}

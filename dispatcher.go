@@ -45,14 +45,16 @@ const (
 // claimable again when the lease passes, so every committed event is
 // delivered at least once. Consumers deduplicate on Message.EventID.
 //
-// Per aggregate, a message is claimed only once every earlier sequence of
-// its aggregate has been delivered (or is in the same batch, before it), so
-// a publisher never receives sequence n+1 before sequence n was accepted.
-// A dead-lettered (failed) message therefore holds back the later messages
+// Per aggregate, a message is claimed only once the sequence before it has
+// been delivered (or is in the same batch, before it), so a publisher
+// never receives sequence n+1 before sequence n was accepted. A
+// dead-lettered (failed) message therefore holds back the later messages
 // of its own aggregate, and of no other, until [Dispatcher.RetryFailed]
 // brings it back and it is delivered, or an operator deletes its row. The
 // later messages are parked meanwhile, looked at again once per lease, and
-// made due at once when RetryFailed brings their dead letter back.
+// made due at once when RetryFailed brings their dead letter back. (A
+// message delivered again because a publish outlived its lease holds back
+// nothing that was accepted after its first delivery.)
 //
 // A claim takes the oldest due messages that keep each aggregate's order,
 // so that a batch is what was written together. When some of those are

@@ -49,7 +49,7 @@
 // aggregate, and of no other, until it is retried.
 //
 // A claim takes the oldest due events that keep each aggregate's order:
-// those whose predecessors are all delivered, or in the same batch just
+// those whose predecessor was delivered, or is in the same batch just
 // before them. When it has to hold some of the oldest back (other
 // dispatchers hold their aggregates, or an earlier event waits for a
 // retry), it takes runs instead, for a while: from the aggregates whose
