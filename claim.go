@@ -324,7 +324,7 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 // it.
 type blocker struct {
 	aggregateType, aggregateID string
-	head                       int64
+	sequence                   int64
 	until                      scanTime
 }
 
@@ -368,7 +368,7 @@ SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
 	var out []blocker
 	for res.Next() {
 		var b blocker
-		if err := res.Scan(&b.aggregateType, &b.aggregateID, &b.head, &b.until); err != nil {
+		if err := res.Scan(&b.aggregateType, &b.aggregateID, &b.sequence, &b.until); err != nil {
 			return nil, err
 		}
 		out = append(out, b)
@@ -390,8 +390,8 @@ WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
 	AND EXISTS (SELECT 1 FROM `+d.t.records+` h
 		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
 			AND (h.delivery_state = 'failed' OR (h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ?)))`),
-			until, ts, b.aggregateType, b.aggregateID, b.head, until,
-			b.aggregateType, b.aggregateID, b.head, ts); err != nil {
+			until, ts, b.aggregateType, b.aggregateID, b.sequence, until,
+			b.aggregateType, b.aggregateID, b.sequence, ts); err != nil {
 			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
 		}
 	}

@@ -35,7 +35,7 @@ func TestParkLeavesTheRowsOfABlockerThatCameBackMeanwhile(t *testing.T) {
 				t.Fatal(err)
 			}
 			blockers, err := d.blockers(ctx, time.Now())
-			if err != nil || len(blockers) != 1 || blockers[0].head != 1 {
+			if err != nil || len(blockers) != 1 || blockers[0].sequence != 1 {
 				t.Fatalf("blockers = %+v, %v; want the dead letter, sequence 1", blockers, err)
 			}
 			if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
