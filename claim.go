@@ -289,13 +289,13 @@ func sortByID(rows []claimed) []claimed {
 	return rows
 }
 
-// parkBlocked moves the due rows that claims step over because the event
-// before them waits for a retry or was dead-lettered to when that event
-// can move: the retry's time, or one lease from now for a dead letter (it
-// comes back only through RetryFailed, which makes the pending rows behind
-// it due again; the lease bounds the wait if it comes back some other
-// way). Rows behind an event in flight are left alone: it settles within
-// the publish timeout.
+// parkBlocked moves the due rows behind an aggregate's head (its first
+// undelivered event) that waits for a retry or was dead-lettered to when
+// that head can move: the retry's time, or one lease from now for a dead
+// letter (it comes back only through RetryFailed, which makes the rows
+// behind it due again; the lease bounds the wait if it comes back some
+// other way). Rows behind a head in flight are left alone: it settles
+// within the publish timeout.
 //
 // It looks at the same window of due rows as a claim, and runs at most once
 // per poll interval per dispatcher, after a batch that was not full: in
@@ -319,48 +319,54 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	}
 }
 
-// blocker is an event that waits (for a retry, or for RetryFailed) with
-// due events of its aggregate behind it, and until when those wait with
-// it.
+// blocker is the head of an aggregate (its first undelivered event) that
+// waits, for a retry or for RetryFailed, and until when the due events
+// behind it wait with it.
 type blocker struct {
 	aggregateType, aggregateID string
 	sequence                   int64
+	state                      string
 	until                      scanTime
 }
 
-// blockers finds, for each aggregate seen in the window of due rows, the
-// event just before its first one there, if that event waits: for a retry
-// (until its time), or dead-lettered (for one lease). That is the event
-// the claims hold the aggregate back for (see Order above), so one lookup
-// of one key per aggregate; an event before it that waits too is found
-// once the rows behind it move. Every lookup is a scalar subquery: joined
-// instead, the planner may drive the query from the waiting condition,
-// which statistics taken when the backlog was due misjudge, and scan every
-// row that is not due (seen: a quarter of a second per call on a backlog
-// of 200,000).
+// blockers finds the waiting heads of the aggregates seen in the window of
+// due rows. The head, not the event just before the window's first row of
+// the aggregate: that one may be due itself but outside the window, behind
+// rows written while it was parked, and the window would then be full of
+// rows no claim can take. Every lookup is a scalar subquery, run once per
+// aggregate through the aggregate index: joined instead, the planner may
+// drive the query from the heads' condition, which statistics taken when
+// the backlog was due misjudge, and scan every row that is not due (seen:
+// a quarter of a second per call on a backlog of 200,000).
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
 	t := d.t
 	ts := d.d.timeArg(now)
 	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
-	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) - 1 AS hs FROM (
+	SELECT DISTINCT c.aggregate_type AS bt, c.aggregate_id AS ba FROM (
 		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM `+t.records+` r
 		WHERE `+dueSQL("r")+`
 		ORDER BY r.next_attempt_at, r.id
 		LIMIT ?
 	) c
-	GROUP BY c.aggregate_type, c.aggregate_id
-	HAVING min(c.aggregate_sequence) > 1
+	WHERE c.aggregate_sequence > 1
+), heads AS MATERIALIZED (
+	SELECT bt, ba, (SELECT min(m.aggregate_sequence) FROM `+t.records+` m
+		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
+	FROM seen
 ), waits AS MATERIALIZED (
 	SELECT bt, ba, hs, (SELECT CASE
-			WHEN h.delivery_state = 'failed' THEN ?
-			WHEN h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ? THEN h.next_attempt_at
+			WHEN h.delivery_state = 'failed' THEN 'failed'
+			WHEN h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ? THEN h.delivery_state
 		END FROM `+t.records+` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
-			AND h.delivery_state <> 'delivered') AS until
-	FROM seen
+			AND h.delivery_state <> 'delivered') AS state
+	FROM heads
+	WHERE hs IS NOT NULL
 )
-SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
-		ts, scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)), ts)
+SELECT bt, ba, hs, state, CASE WHEN state = 'failed' THEN ? ELSE (SELECT h.next_attempt_at FROM `+t.records+` h
+		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs) END
+FROM waits WHERE state IS NOT NULL`),
+		ts, scanWindow(d.batchSize), ts, d.d.timeArg(now.Add(d.lease)))
 	if err != nil {
 		return nil, err
 	}
@@ -368,7 +374,7 @@ SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
 	var out []blocker
 	for res.Next() {
 		var b blocker
-		if err := res.Scan(&b.aggregateType, &b.aggregateID, &b.sequence, &b.until); err != nil {
+		if err := res.Scan(&b.aggregateType, &b.aggregateID, &b.sequence, &b.state, &b.until); err != nil {
 			return nil, err
 		}
 		out = append(out, b)
@@ -377,9 +383,10 @@ SELECT bt, ba, hs, until FROM waits WHERE until IS NOT NULL`),
 }
 
 // park moves the due rows behind each blocker to its time, one statement
-// per blocker through the aggregate index, provided the blocker still
-// waits as it did when it was read: RetryFailed may have brought a dead
-// letter back meanwhile, and made the rows behind it due.
+// per blocker through the aggregate index, provided the blocker is still
+// in the state it was read in and still waits: RetryFailed may have
+// brought a dead letter back meanwhile (and made the rows behind it due),
+// or a retry come due.
 func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) error {
 	ts := d.d.timeArg(now)
 	for _, b := range blockers {
@@ -389,9 +396,9 @@ WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
 	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?
 	AND EXISTS (SELECT 1 FROM `+d.t.records+` h
 		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
-			AND (h.delivery_state = 'failed' OR (h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ?)))`),
+			AND h.delivery_state = ? AND (h.delivery_state = 'failed' OR h.next_attempt_at > ?))`),
 			until, ts, b.aggregateType, b.aggregateID, b.sequence, until,
-			b.aggregateType, b.aggregateID, b.sequence, ts); err != nil {
+			b.aggregateType, b.aggregateID, b.sequence, b.state, d.d.timeArg(time.Now())); err != nil {
 			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
 		}
 	}

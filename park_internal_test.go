@@ -5,50 +5,129 @@ import (
 	"testing"
 	"time"
 
+	"gorm.io/gorm"
+
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
+
+// parkSetup opens a migrated database on e with n events of one aggregate,
+// "dead", whose first is dead-lettered, and a dispatcher on it.
+func parkSetup(t *testing.T, e outboxtest.Engine, n int) (*gorm.DB, *Dispatcher) {
+	t.Helper()
+	db, _ := outboxtest.Open(t, e, nil)
+	if err := db.Use(Plugin()); err != nil {
+		t.Fatal(err)
+	}
+	if err := AutoMigrate(db); err != nil {
+		t.Fatal(err)
+	}
+	err := db.Transaction(func(tx *gorm.DB) error {
+		for range n {
+			if err := Publish(tx, Event{Type: "t", AggregateType: "agg", AggregateID: "dead"}); err != nil {
+				return err
+			}
+		}
+		return tx.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivery_attempts = 1 WHERE aggregate_sequence = 1`).Error
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	noop := PublisherFunc(func(context.Context, Batch) error { return nil })
+	d, err := NewDispatcher(db, noop, WithLogger(outboxtest.Logger(t)), WithLease(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return db, d
+}
+
+func forEngines(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
+	for _, e := range []outboxtest.Engine{outboxtest.SQLite, outboxtest.Postgres} {
+		t.Run(string(e), func(t *testing.T) { fn(t, e) })
+	}
+}
 
 // A dead letter that RetryFailed brings back between parking's read and
 // its write keeps the rows behind it due.
 func TestParkLeavesTheRowsOfABlockerThatCameBackMeanwhile(t *testing.T) {
-	for _, e := range []outboxtest.Engine{outboxtest.SQLite, outboxtest.Postgres} {
-		t.Run(string(e), func(t *testing.T) {
-			ctx := context.Background()
-			db, _ := outboxtest.Open(t, e, nil)
-			if err := db.Use(Plugin()); err != nil {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		ctx := context.Background()
+		db, d := parkSetup(t, e, 3)
+		now := time.Now() // one time for the read and the write, as parkBlocked does
+		blockers, err := d.blockers(ctx, now)
+		if err != nil || len(blockers) != 1 || blockers[0].sequence != 1 {
+			t.Fatalf("blockers = %+v, %v; want the dead letter, sequence 1", blockers, err)
+		}
+		if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
+			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
+		}
+		if err := d.park(ctx, blockers, now); err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range outboxtest.Records(t, db, DefaultTable) {
+			if r.NextAttemptAt.After(time.Now()) {
+				t.Errorf("#%d parked until %v behind a dead letter that came back", r.AggregateSequence, r.NextAttemptAt)
+			}
+		}
+	})
+}
+
+// Rows parked behind a dead letter come due again after a lease, behind
+// the rows written meanwhile, which fill the window of due rows: parking
+// must still find the dead letter, or no claim could take anything from
+// that window until RetryFailed.
+func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		ctx := context.Background()
+		n := scanWindow(DefaultBatchSize) + 2
+		db, d := parkSetup(t, e, n)
+		// #2 was parked and has just come due; #3 onwards were written
+		// while it was parked, so they come first in the due order.
+		mustExec := func(q string, args ...any) {
+			t.Helper()
+			if err := db.Exec(q, args...).Error; err != nil {
 				t.Fatal(err)
 			}
-			if err := AutoMigrate(db); err != nil {
-				t.Fatal(err)
+		}
+		ts := func(t time.Time) any { return d.d.timeArg(t) }
+		mustExec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, ts(time.Now().Add(-time.Hour)))
+		mustExec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, ts(time.Now().Add(-time.Second)))
+
+		d.parkBlocked(ctx)
+		parked := 0
+		for _, r := range outboxtest.Records(t, db, DefaultTable) {
+			if r.AggregateSequence > 1 && r.NextAttemptAt.After(time.Now().Add(30*time.Minute)) {
+				parked++
 			}
-			for range 3 {
-				if err := Publish(db, Event{Type: "t", AggregateType: "agg", AggregateID: "dead"}); err != nil {
-					t.Fatal(err)
-				}
+		}
+		if parked != n-1 {
+			t.Fatalf("%d of the %d rows behind the dead letter parked, want all", parked, n-1)
+		}
+	})
+}
+
+// RetryFailed releases every row parked behind the dead letter it brings
+// back, those in retry (not attempted by the dead letter's batch, after an
+// attempt of their own) as well as those pending.
+func TestRetryFailedReleasesTheRowsParkedBehindItsDeadLetter(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		ctx := context.Background()
+		db, d := parkSetup(t, e, 3)
+		if err := db.Exec(`UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1 WHERE aggregate_sequence = 2`).Error; err != nil {
+			t.Fatal(err)
+		}
+		d.parkBlocked(ctx)
+		for _, r := range outboxtest.Records(t, db, DefaultTable)[1:] {
+			if !r.NextAttemptAt.After(time.Now().Add(30 * time.Minute)) {
+				t.Fatalf("#%d (%s) not parked behind the dead letter: next attempt %v", r.AggregateSequence, r.DeliveryState, r.NextAttemptAt)
 			}
-			if err := db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivery_attempts = 1 WHERE aggregate_sequence = 1`).Error; err != nil {
-				t.Fatal(err)
+		}
+		if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
+			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
+		}
+		for _, r := range outboxtest.Records(t, db, DefaultTable) {
+			if r.NextAttemptAt.After(time.Now()) {
+				t.Errorf("#%d (%s) still parked until %v after RetryFailed", r.AggregateSequence, r.DeliveryState, r.NextAttemptAt)
 			}
-			noop := PublisherFunc(func(context.Context, Batch) error { return nil })
-			d, err := NewDispatcher(db, noop, WithLogger(outboxtest.Logger(t)), WithLease(time.Hour))
-			if err != nil {
-				t.Fatal(err)
-			}
-			blockers, err := d.blockers(ctx, time.Now())
-			if err != nil || len(blockers) != 1 || blockers[0].sequence != 1 {
-				t.Fatalf("blockers = %+v, %v; want the dead letter, sequence 1", blockers, err)
-			}
-			if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
-				t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
-			}
-			if err := d.park(ctx, blockers, time.Now()); err != nil {
-				t.Fatal(err)
-			}
-			for _, r := range outboxtest.Records(t, db, DefaultTable) {
-				if r.NextAttemptAt.After(time.Now()) {
-					t.Errorf("#%d parked until %v behind a dead letter that came back", r.AggregateSequence, r.NextAttemptAt)
-				}
-			}
-		})
-	}
+		}
+	})
 }

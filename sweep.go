@@ -23,8 +23,8 @@ type RetryFilter struct {
 // RetryFailed is the retry_failed sweep: it moves up to the sweep limit of
 // dead-lettered (failed) rows, oldest failure first, back to pending with
 // their attempt count reset, and returns how many it moved. Their
-// last_error is kept until they are delivered. The pending events parked
-// behind them are made due at once.
+// last_error is kept until they are delivered. The events parked behind
+// them are made due at once.
 func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
 	return d.RetryFailedWhere(ctx, RetryFilter{})
 }
@@ -83,9 +83,11 @@ RETURNING aggregate_type, aggregate_id`), args...)
 	return n, nil
 }
 
-// unpark makes the pending events of the revived aggregates due now: they
+// unpark makes the waiting events of the revived aggregates due now: they
 // were parked behind the dead letter (see parkBlocked) and would otherwise
-// wait up to a lease. It is an optimisation, so an error is only logged.
+// wait up to a lease. Those in retry are among them: events that the
+// dead letter's batch did not attempt, after an earlier attempt of their
+// own. It is an optimisation, so an error is only logged.
 func (d *Dispatcher) unpark(ctx context.Context, aggregates map[[2]string]bool, now time.Time) {
 	ts := d.d.timeArg(now)
 	args := []any{ts, ts, ts}
@@ -95,7 +97,7 @@ func (d *Dispatcher) unpark(ctx context.Context, aggregates map[[2]string]bool, 
 		args = append(args, agg[0], agg[1])
 	}
 	_, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
-WHERE delivery_state = 'pending' AND next_attempt_at > ?
+WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > ?
 	AND (aggregate_type, aggregate_id) IN (VALUES `+strings.Join(rows, ", ")+`)`), args...)
 	if err != nil {
 		d.log.Warn("outbox: could not release the events parked behind revived dead letters; they follow within a lease", "error", err)
