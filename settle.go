@@ -9,8 +9,9 @@ import (
 
 // settle records the outcome of a published batch. Rows with the same
 // outcome (state, attempts, next attempt, error) are settled together, by
-// primary key, in one statement: one statement for a batch that was
-// accepted or refused as a whole. Every row is updated only if it is still
+// primary key, in one statement; all the accepted rows make one outcome,
+// whatever their attempts, so a batch accepted as a whole takes one
+// statement. Every row is updated only if it is still
 // delivering under this batch's id: a row whose lease was taken over by
 // another claim is left alone. It returns how many rows it marked
 // delivered.
