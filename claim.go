@@ -295,7 +295,10 @@ func sortByID(rows []claimed) []claimed {
 // letter (it comes back only through RetryFailed, which makes the rows
 // behind it due again; the lease bounds the wait if it comes back some
 // other way). Rows behind a head in flight are left alone: it settles
-// within the publish timeout.
+// within the publish timeout. Rows that came due before their head in due
+// order (written while it waited, and not parked) are moved to the head's
+// time, behind it: a window full of them would hold no row a claim can
+// take.
 //
 // It looks at the same window of due rows as a claim, and runs at most once
 // per poll interval per dispatcher, after a batch that was not full: in
@@ -320,8 +323,11 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 }
 
 // blocker is the head of an aggregate (its first undelivered event) that
-// waits, for a retry or for RetryFailed, and until when the due events
-// behind it wait with it.
+// holds back due events of its aggregate, and until when those should
+// wait: a head that waits for a retry (until its time) or for RetryFailed
+// (for one lease), or a due head that the window of due rows does not
+// reach because those events come before it in due order (until its time,
+// which puts them behind it).
 type blocker struct {
 	aggregateType, aggregateID string
 	sequence                   int64
@@ -329,34 +335,37 @@ type blocker struct {
 	until                      scanTime
 }
 
-// blockers finds the waiting heads of the aggregates seen in the window of
+// blockers finds the blocking heads of the aggregates seen in the window of
 // due rows. The head, not the event just before the window's first row of
 // the aggregate: that one may be due itself but outside the window, behind
-// rows written while it was parked, and the window would then be full of
-// rows no claim can take. Every lookup is a scalar subquery, run once per
-// aggregate through the aggregate index: joined instead, the planner may
-// drive the query from the heads' condition, which statistics taken when
-// the backlog was due misjudge, and scan every row that is not due (seen:
-// a quarter of a second per call on a backlog of 200,000).
+// rows written while it was parked. A due head outside the window is a
+// blocker too: the rows of its aggregate that come before it in due order
+// would otherwise fill every claim's window with rows no claim can take.
+// Every lookup is a scalar subquery, run once per aggregate through the
+// aggregate index: joined instead, the planner may drive the query from
+// the heads' condition, which statistics taken when the backlog was due
+// misjudge, and scan every row that is not due (seen: a quarter of a
+// second per call on a backlog of 200,000).
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
 	t := d.t
 	ts := d.d.timeArg(now)
 	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
-	SELECT DISTINCT c.aggregate_type AS bt, c.aggregate_id AS ba FROM (
+	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
 		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM `+t.records+` r
 		WHERE `+dueSQL("r")+`
 		ORDER BY r.next_attempt_at, r.id
 		LIMIT ?
 	) c
-	WHERE c.aggregate_sequence > 1
+	GROUP BY c.aggregate_type, c.aggregate_id
+	HAVING max(c.aggregate_sequence) > 1
 ), heads AS MATERIALIZED (
-	SELECT bt, ba, (SELECT min(m.aggregate_sequence) FROM `+t.records+` m
+	SELECT bt, ba, ws, (SELECT min(m.aggregate_sequence) FROM `+t.records+` m
 		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
 	FROM seen
 ), waits AS MATERIALIZED (
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
-			WHEN h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > ? THEN h.delivery_state
+			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > ? OR hs < ws) THEN h.delivery_state
 		END FROM `+t.records+` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS state
@@ -382,11 +391,11 @@ FROM waits WHERE state IS NOT NULL`),
 	return out, res.Err()
 }
 
-// park moves the due rows behind each blocker to its time, one statement
-// per blocker through the aggregate index, provided the blocker is still
-// in the state it was read in and still waits: RetryFailed may have
-// brought a dead letter back meanwhile (and made the rows behind it due),
-// or a retry come due.
+// park moves the due rows behind each blocker that come before its time
+// to that time, one statement per blocker through the aggregate index,
+// provided the blocker is still in the state it was read in: RetryFailed
+// may have brought a dead letter back meanwhile (and made the rows behind
+// it due), or a claim taken the head.
 func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) error {
 	ts := d.d.timeArg(now)
 	for _, b := range blockers {
@@ -396,9 +405,9 @@ WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
 	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?
 	AND EXISTS (SELECT 1 FROM `+d.t.records+` h
 		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
-			AND h.delivery_state = ? AND (h.delivery_state = 'failed' OR h.next_attempt_at > ?))`),
+			AND h.delivery_state = ?)`),
 			until, ts, b.aggregateType, b.aggregateID, b.sequence, until,
-			b.aggregateType, b.aggregateID, b.sequence, b.state, d.d.timeArg(time.Now())); err != nil {
+			b.aggregateType, b.aggregateID, b.sequence, b.state); err != nil {
 			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
 		}
 	}

@@ -131,3 +131,36 @@ func TestRetryFailedReleasesTheRowsParkedBehindItsDeadLetter(t *testing.T) {
 		}
 	})
 }
+
+// A head whose retry has come due behind more rows of its aggregate than
+// the window of due rows holds (written while it waited, and not parked)
+// is outside every claim's window, and the window is full of rows no
+// claim can take: parking moves them behind the head, and claims go on.
+func TestParkMovesRowsThatCameDueBeforeTheirHeadBehindIt(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		ctx := context.Background()
+		n := scanWindow(DefaultBatchSize) + 2
+		db, d := parkSetup(t, e, n)
+		mustExec := func(q string, args ...any) {
+			t.Helper()
+			if err := db.Exec(q, args...).Error; err != nil {
+				t.Fatal(err)
+			}
+		}
+		mustExec(`UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
+		mustExec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
+
+		if got, err := d.DispatchOnce(ctx); err != nil || got != 0 {
+			t.Fatalf("first dispatch delivered %d, %v; want 0: the head is outside the window", got, err)
+		}
+		// That batch was not full, so the dispatch parked.
+		if got, err := d.DispatchOnce(ctx); err != nil || got != DefaultBatchSize {
+			t.Fatalf("second dispatch delivered %d, %v; want a full batch from the head on", got, err)
+		}
+		for _, r := range outboxtest.Records(t, db, DefaultTable)[:DefaultBatchSize] {
+			if r.DeliveryState != "delivered" {
+				t.Fatalf("#%d is %s; want the first %d delivered, in order", r.AggregateSequence, r.DeliveryState, DefaultBatchSize)
+			}
+		}
+	})
+}
