@@ -40,6 +40,13 @@ func parkSetup(t *testing.T, e outboxtest.Engine, n int) (*gorm.DB, *Dispatcher)
 	return db, d
 }
 
+func mustExec(t *testing.T, db *gorm.DB, query string, args ...any) {
+	t.Helper()
+	if err := db.Exec(query, args...).Error; err != nil {
+		t.Fatal(err)
+	}
+}
+
 func forEngines(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
 	for _, e := range []outboxtest.Engine{outboxtest.SQLite, outboxtest.Postgres} {
 		t.Run(string(e), func(t *testing.T) { fn(t, e) })
@@ -82,15 +89,8 @@ func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T)
 		db, d := parkSetup(t, e, n)
 		// #2 was parked and has just come due; #3 onwards were written
 		// while it was parked, so they come first in the due order.
-		mustExec := func(q string, args ...any) {
-			t.Helper()
-			if err := db.Exec(q, args...).Error; err != nil {
-				t.Fatal(err)
-			}
-		}
-		ts := func(t time.Time) any { return d.d.timeArg(t) }
-		mustExec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, ts(time.Now().Add(-time.Hour)))
-		mustExec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, ts(time.Now().Add(-time.Second)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, d.d.timeArg(time.Now().Add(-time.Hour)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, d.d.timeArg(time.Now().Add(-time.Second)))
 
 		d.parkBlocked(ctx)
 		parked := 0
@@ -112,9 +112,7 @@ func TestRetryFailedReleasesTheRowsParkedBehindItsDeadLetter(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		ctx := context.Background()
 		db, d := parkSetup(t, e, 3)
-		if err := db.Exec(`UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1 WHERE aggregate_sequence = 2`).Error; err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1 WHERE aggregate_sequence = 2`)
 		d.parkBlocked(ctx)
 		for _, r := range outboxtest.Records(t, db, DefaultTable)[1:] {
 			if !r.NextAttemptAt.After(time.Now().Add(30 * time.Minute)) {
@@ -141,14 +139,8 @@ func TestParkMovesRowsThatCameDueBeforeTheirHeadBehindIt(t *testing.T) {
 		ctx := context.Background()
 		n := scanWindow(DefaultBatchSize) + 2
 		db, d := parkSetup(t, e, n)
-		mustExec := func(q string, args ...any) {
-			t.Helper()
-			if err := db.Exec(q, args...).Error; err != nil {
-				t.Fatal(err)
-			}
-		}
-		mustExec(`UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
-		mustExec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
+		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
 
 		if got, err := d.DispatchOnce(ctx); err != nil || got != 0 {
 			t.Fatalf("first dispatch delivered %d, %v; want 0: the head is outside the window", got, err)
