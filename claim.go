@@ -65,7 +65,8 @@ import (
 // the publish timeout. Those behind an event that waits for a retry or was
 // dead-lettered are moved out of the due range by parkBlocked until that
 // event can move, so that a long outage does not fill every claim's window
-// with everything that arrived during it.
+// with everything that arrived during it; those that came due before
+// their head in due order are moved behind it.
 
 // claimArgs are the values one claim works with.
 type claimArgs struct {

@@ -156,3 +156,16 @@ func TestParkMovesRowsThatCameDueBeforeTheirHeadBehindIt(t *testing.T) {
 		}
 	})
 }
+
+// A due head inside the window blocks nothing: claims take it, and the
+// rows behind it are left as they are.
+func TestParkLeavesTheRowsBehindADueHeadInTheWindow(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		_, d := parkSetup(t, e, 3)
+		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
+		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
+		if blockers, err := d.blockers(context.Background(), time.Now()); err != nil || len(blockers) != 0 {
+			t.Fatalf("blockers = %+v, %v; want none", blockers, err)
+		}
+	})
+}
