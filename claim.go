@@ -303,7 +303,7 @@ func sortByID(rows []claimed) []claimed {
 //
 // It looks at the same window of due rows as a claim, and runs at most once
 // per poll interval per dispatcher, after a batch that was not full: in
-// normal operation it finds nothing, and costs one short scan. It is an
+// normal operation it finds nothing, and costs one statement. It is an
 // optimisation, so it never fails a dispatch: an error is logged.
 func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	now := time.Now()
@@ -398,15 +398,19 @@ FROM waits WHERE state IS NOT NULL`),
 // may have brought a dead letter back meanwhile (and made the rows behind
 // it due), or a claim taken the head.
 func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) error {
+	if len(blockers) == 0 {
+		return nil
+	}
+	query := d.d.bind(`UPDATE ` + d.t.records + ` SET next_attempt_at = ?, updated_at = ?
+WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
+	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?
+	AND EXISTS (SELECT 1 FROM ` + d.t.records + ` h
+		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
+			AND h.delivery_state = ?)`)
 	ts := d.d.timeArg(now)
 	for _, b := range blockers {
 		until := d.d.timeArg(b.until.Time)
-		if _, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
-WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
-	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?
-	AND EXISTS (SELECT 1 FROM `+d.t.records+` h
-		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
-			AND h.delivery_state = ?)`),
+		if _, err := d.db.Statement.ConnPool.ExecContext(ctx, query,
 			until, ts, b.aggregateType, b.aggregateID, b.sequence, until,
 			b.aggregateType, b.aggregateID, b.sequence, b.state); err != nil {
 			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
