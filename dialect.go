@@ -32,10 +32,15 @@ type dialect interface {
 	// ends or the connection fails; it returns errNoListen where the
 	// engine or driver has no notifications.
 	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
-	// claimOldest leases what oldestSQL picks from the a.limit oldest due
-	// rows (see claim.go), in one short transaction, and hands the rows
-	// that leaseSQL returns to scan.
-	claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	// claimTx runs fn, an oldest-first claim's window read, order check
+	// and lease, in one short transaction in which the rows the window
+	// read stay locked (FOR UPDATE on PostgreSQL, the database's write
+	// lock on SQLite) until it commits.
+	claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error
+	// undelivered reports, for each event, whether its row exists and is
+	// not delivered, in one statement on q (or a few, for a long list on
+	// SQLite), each lookup through the aggregate index.
+	undelivered(ctx context.Context, q querier, t tables, events []aggregateSeq) ([]bool, error)
 	// claimRuns leases up to a.limit due rows as runs (see claim.go) in
 	// one short transaction, and hands the rows that leaseSQL returns to
 	// scan. On PostgreSQL the lease has committed by then, so rows that
@@ -48,9 +53,9 @@ type dialect interface {
 	// do not change with the number of ids.
 	idsIn(ids []int64) (string, []any)
 	// skipLocked is the row-locking clause of a sweep's scan and of the
-	// oldest-first claim's window: FOR UPDATE SKIP LOCKED where the engine
-	// has row locks, nothing where a write statement holds the whole
-	// database.
+	// oldest-first claim's window (windowSQL): FOR UPDATE SKIP LOCKED
+	// where the engine has row locks, nothing where the claim's
+	// transaction holds the whole database.
 	skipLocked() string
 	// asyncCommit is a condition, always true, to append to the WHERE of
 	// a claim's lease and of a settle (and of no other statement) so that
@@ -65,6 +70,11 @@ type dialect interface {
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
 	rejectsData(err error) bool
+}
+
+// querier runs a query on a pool, a connection or a transaction.
+type querier interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 }
 
 // dialectOf returns the dialect for db's engine.

@@ -135,13 +135,46 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-// claimOldest is one statement. Its window locks the rows it reads with
-// SKIP LOCKED, so that claims running side by side take disjoint windows;
-// a row of an aggregate that another claim's window holds is held back by
-// the probe (its predecessor is undelivered) or leaves a gap.
-func (d postgresDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
-	args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-	return queryScan(ctx, db.Statement.ConnPool, d.bind(oldestSQL(d, t)), args, scan)
+// claimTx runs fn in a transaction of its own on a connection of db's
+// pool. The window's FOR UPDATE SKIP LOCKED keeps its rows from other
+// claims until the commit, so that claims running side by side read
+// disjoint windows; a row of an aggregate that another claim's window holds
+// leaves a gap, or its predecessor is undelivered.
+func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return err
+	}
+	tx, err := sqlDB.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	return tx.Commit()
+}
+
+// undelivered looks the events up with one statement whatever their
+// number: three array arguments, one scalar subquery per event through the
+// aggregate index (a join would let the planner pick a plan from
+// statistics that cannot know the arrays).
+func (postgresDialect) undelivered(ctx context.Context, q querier, t tables, events []aggregateSeq) ([]bool, error) {
+	types, ids, seqs := make([]string, len(events)), make([]string, len(events)), make([]int64, len(events))
+	for i, e := range events {
+		types[i], ids[i], seqs[i] = e.agg.typ, e.agg.id, e.seq
+	}
+	res, err := q.QueryContext(ctx, `SELECT EXISTS (
+	SELECT 1 FROM `+t.records+` p
+	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
+		AND p.delivery_state <> 'delivered')
+FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
+ORDER BY u.i`, types, ids, seqs)
+	if err != nil {
+		return nil, err
+	}
+	return scanBools(res, len(events))
 }
 
 // claimRuns is one statement. Heads are locked with SKIP LOCKED as the
@@ -191,7 +224,7 @@ func runsSQL(t tables) string {
 		WHERE w.due AND w.next
 	) run
 	LIMIT ?
-)`, ""))
+)`))
 }
 
 func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", []any{ids} }

@@ -100,13 +100,43 @@ func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { r
 // rejectsData: SQLite stores any text it is given; encode has checked it.
 func (sqliteDialect) rejectsData(error) bool { return false }
 
-// claimOldest runs the oldest-first statement inside immediate, so that
-// its read and its write see one state of the database.
-func (d sqliteDialect) claimOldest(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
-	return immediate(ctx, db, func(conn *sql.Conn) error {
-		args := append([]any{d.timeArg(a.now), a.limit}, leaseArgs(d, a)...)
-		return queryScan(ctx, conn, oldestSQL(d, t), args, scan)
-	})
+// claimTx runs fn inside immediate, so that the window's read and the
+// lease see one state of the database.
+func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {
+	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
+}
+
+// undeliveredChunk is how many events one lookup statement on SQLite
+// names, four arguments each, well within SQLite's limit on arguments.
+const undeliveredChunk = 500
+
+// undelivered looks the events up with one statement per chunk of them: a
+// VALUES list, one correlated subquery per event through the aggregate
+// index.
+func (sqliteDialect) undelivered(ctx context.Context, q querier, t tables, events []aggregateSeq) ([]bool, error) {
+	out := make([]bool, 0, len(events))
+	for start := 0; start < len(events); start += undeliveredChunk {
+		chunk := events[start:min(start+undeliveredChunk, len(events))]
+		args := make([]any, 0, 4*len(chunk))
+		for i, e := range chunk {
+			args = append(args, i, e.agg.typ, e.agg.id, e.seq)
+		}
+		res, err := q.QueryContext(ctx, `SELECT EXISTS (
+	SELECT 1 FROM `+t.records+` p
+	WHERE p.aggregate_type = u.column2 AND p.aggregate_id = u.column3 AND p.aggregate_sequence = u.column4
+		AND p.delivery_state <> 'delivered')
+FROM (VALUES (?, ?, ?, ?)`+strings.Repeat(", (?, ?, ?, ?)", len(chunk)-1)+`) AS u
+ORDER BY u.column1`, args...)
+		if err != nil {
+			return nil, err
+		}
+		found, err := scanBools(res, len(chunk))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, found...)
+	}
+	return out, nil
 }
 
 // claimRuns reads the heads inside immediate; takes a head alone when its
@@ -121,7 +151,7 @@ func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a c
 			return err
 		}
 		in, idArgs := d.idsIn(ids)
-		return queryScan(ctx, conn, leaseSQL(d, t, "id "+in, ""), append(leaseArgs(d, a), idArgs...), scan)
+		return queryScan(ctx, conn, leaseSQL(d, t, "id "+in), append(leaseArgs(d, a), idArgs...), scan)
 	})
 }
 

@@ -106,6 +106,7 @@ type Dispatcher struct {
 	inProcess atomic.Bool  // Run is woken by in-process writes
 	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
 	runsUntil atomic.Int64 // unix nanoseconds until which claims take runs only
+	accepted  acceptedSeqs // the last events of aggregates this dispatcher delivered
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -271,6 +272,7 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if d.publishTimeout >= d.lease {
 		return nil, fmt.Errorf("%w: WithPublishTimeout: %v must be shorter than the lease (%v)", ErrInvalidOption, d.publishTimeout, d.lease)
 	}
+	d.accepted.limit = acceptedLimit(d.batchSize)
 	return d, nil
 }
 

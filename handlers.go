@@ -141,9 +141,6 @@ func (h *Handlers) Handle(eventType string, fn HandlerFunc) error {
 	return nil
 }
 
-// aggregateKey names one aggregate of a batch.
-type aggregateKey struct{ typ, id string }
-
 // Publish hands every message of b to its handler, as described on
 // [Handlers]. It returns nil when all were accepted, and otherwise a
 // [*PartialError] naming exactly the messages that were not.

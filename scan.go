@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"database/sql"
 	"fmt"
 	"time"
 )
@@ -33,4 +34,25 @@ func (s *scanTime) parse(v string) error {
 		}
 	}
 	return fmt.Errorf("outbox: unrecognised timestamp %q", v)
+}
+
+// scanBools reads a one-column boolean result that must have exactly n
+// rows, and closes it.
+func scanBools(res *sql.Rows, n int) ([]bool, error) {
+	defer res.Close()
+	out := make([]bool, 0, n)
+	for res.Next() {
+		var b bool
+		if err := res.Scan(&b); err != nil {
+			return nil, err
+		}
+		out = append(out, b)
+	}
+	if err := res.Err(); err != nil {
+		return nil, err
+	}
+	if len(out) != n {
+		return nil, fmt.Errorf("outbox: %d answers to %d lookups", len(out), n)
+	}
+	return out, nil
 }

@@ -73,9 +73,18 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 			return 0, fmt.Errorf("outbox: settle batch %s: %w", batchID, err)
 		}
 		settled += n
-		if k.state == StateDelivered && n < len(groups[k]) {
-			delivered -= len(groups[k]) - n
+		if k.state != StateDelivered {
+			continue
 		}
+		if n < len(groups[k]) {
+			delivered -= len(groups[k]) - n
+			continue
+		}
+		// Every accepted row was marked delivered: remember them, so that
+		// the next claim of the events after them needs no lookup. (When
+		// some lease was lost, another dispatcher has those rows, and none
+		// of the batch is remembered.)
+		d.remember(rows, outcomes)
 	}
 	if settled < len(rows) {
 		d.log.Warn("outbox: lease lost before settle; another dispatcher owns those rows now",
@@ -90,6 +99,17 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 			"delivered", delivered, "dead_lettered", failed, "error", pubErr)
 	}
 	return delivered, nil
+}
+
+// remember records the accepted rows of a batch in d.accepted.
+func (d *Dispatcher) remember(rows []claimed, outcomes []error) {
+	events := make([]aggregateSeq, 0, len(rows))
+	for i, r := range rows {
+		if outcomes[i] == nil {
+			events = append(events, aggregateSeq{aggregateKey{r.msg.AggregateType, r.msg.AggregateID}, r.msg.Sequence})
+		}
+	}
+	d.accepted.add(events)
 }
 
 // settleKey is one outcome; rows that share it are settled together.
@@ -176,10 +196,10 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 	switch {
 	case pubErr == nil:
 	case errors.As(pubErr, &partial):
-		failedAggregates := map[[2]string]bool{}
+		failedAggregates := map[aggregateKey]bool{}
 		for i, r := range rows {
 			out[i] = partial.Failed[r.msg.EventID]
-			agg := [2]string{r.msg.AggregateType, r.msg.AggregateID}
+			agg := aggregateKey{r.msg.AggregateType, r.msg.AggregateID}
 			if out[i] != nil {
 				failedAggregates[agg] = true
 			} else if failedAggregates[agg] {
@@ -189,7 +209,7 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 				// after the failed one instead.
 				out[i] = errAcceptedOutOfOrder
 				d.log.Error("outbox: publisher accepted a message after a failed one of the same aggregate; per-aggregate order is broken downstream, and the message will be delivered again after the failed one",
-					"event_id", r.msg.EventID, "aggregate_type", agg[0], "aggregate_id", agg[1], "sequence", r.msg.Sequence)
+					"event_id", r.msg.EventID, "aggregate_type", agg.typ, "aggregate_id", agg.id, "sequence", r.msg.Sequence)
 			}
 		}
 	default:
