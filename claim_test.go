@@ -195,3 +195,47 @@ func TestClaimTakesRunsForAWhileAfterFindingTheOldestEventsHeld(t *testing.T) {
 		}
 	})
 }
+
+// A claim looks up, in one go, the event before the first one of every
+// aggregate in its window, and holds back exactly the aggregates whose
+// event before is not delivered; on SQLite the lookups of more than 500
+// aggregates take several statements.
+func TestClaimLooksUpTheEventsBeforeThoseOfManyAggregates(t *testing.T) {
+	const aggregates = 1200
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.Transaction(func(tx *gorm.DB) error {
+			for seq := range 2 {
+				for a := range aggregates {
+					if err := outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "agg", AggregateID: fmt.Sprint("a", a), Payload: seq}); err != nil {
+						return err
+					}
+				}
+			}
+			return nil
+		}))
+		// The first events were delivered by some other dispatcher, but for
+		// every hundredth aggregate's, which was dead-lettered.
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_sequence = 1`, time.Now().UTC()).Error)
+		var held []string
+		for a := 0; a < aggregates; a += 100 {
+			held = append(held, fmt.Sprint("a", a))
+		}
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivered_at = NULL WHERE aggregate_sequence = 1 AND aggregate_id IN ?`, held).Error)
+
+		rec := &recorder{}
+		d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(2*aggregates))
+		if n := dispatch(t, d); n != aggregates-len(held) {
+			t.Fatalf("delivered %d events, want the %d whose event before was delivered", n, aggregates-len(held))
+		}
+		for _, batch := range rec.batchIDs() {
+			for _, id := range batch {
+				for _, h := range held {
+					if id == h+"#2" {
+						t.Errorf("%s was published behind a dead letter", id)
+					}
+				}
+			}
+		}
+	})
+}
