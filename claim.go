@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"sync"
@@ -397,6 +398,11 @@ func (d *Dispatcher) claimRuns(ctx context.Context, a claimArgs) (rows []claimed
 }
 
 // scanLeased reads the rows leaseSQL returns; want is how many it expects.
+// A row whose message cannot be built (headers that are not a JSON object
+// of strings, a timestamp the driver cannot read: rows written by hand or
+// by another program) is returned with bad set, to be dead-lettered, not
+// published: failing the claim would leave it at the head of the due rows,
+// failing every claim after it.
 func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 	rows := make([]claimed, 0, want)
 	for res.Next() {
@@ -404,7 +410,7 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 			r       claimed
 			payload []byte
 			headers sql.NullString
-			at      scanTime
+			at      any
 		)
 		dest := []any{&r.id, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
 			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts}
@@ -412,17 +418,28 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 			return nil, fmt.Errorf("scan: %w", err)
 		}
 		r.msg.Payload = payload
-		r.msg.OccurredAt = at.Time
 		r.msg.Attempt = r.attempts + 1
+		var occurred scanTime
+		if err := occurred.Scan(at); err != nil {
+			r.bad = fmt.Errorf("occurred_at: %w", err)
+		}
+		r.msg.OccurredAt = occurred.Time
 		if headers.Valid {
 			if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
-				return nil, fmt.Errorf("event %s: headers: %w", r.msg.EventID, err)
+				r.bad = fmt.Errorf("headers: %w", err)
 			}
+		}
+		if r.bad != nil {
+			r.bad = Permanent(fmt.Errorf("%w: event %s: %w", errUnreadable, r.msg.EventID, r.bad))
 		}
 		rows = append(rows, r)
 	}
 	return rows, res.Err()
 }
+
+// errUnreadable is wrapped by the error that a row which cannot be read
+// into a Message is dead-lettered with.
+var errUnreadable = errors.New("outbox: event cannot be read")
 
 // sortByID puts a batch oldest first; within an aggregate, ids follow
 // sequences (writers of one aggregate are serialised by its sequence row).

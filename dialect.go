@@ -35,7 +35,8 @@ type dialect interface {
 	// claimTx runs fn, an oldest-first claim's window read, order check
 	// and lease, in one short transaction in which the rows the window
 	// read stay locked (FOR UPDATE on PostgreSQL, the database's write
-	// lock on SQLite) until it commits.
+	// lock on SQLite) until it commits. An error anywhere in fn rolls the
+	// whole claim back.
 	claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error
 	// undelivered reports, for each event, whether its row exists and is
 	// not delivered, in one statement on q (or a few, for a long list on
@@ -44,8 +45,9 @@ type dialect interface {
 	// claimRuns leases up to a.limit due rows as runs (see claim.go) in
 	// one short transaction, and hands the rows that leaseSQL returns to
 	// scan. On PostgreSQL the lease has committed by then, so rows that
-	// scan fails on stay leased until their lease passes; on SQLite a scan
-	// error rolls the claim back.
+	// scan fails on (the driver failing, not a row that cannot be read
+	// into a message: scanLeased returns that one) stay leased until their
+	// lease passes; on SQLite a scan error rolls the claim back.
 	claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
 	// idsIn returns the condition that a bigint column is one of ids, to
 	// follow the column's name, and its arguments: one array argument

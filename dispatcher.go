@@ -281,6 +281,7 @@ type claimed struct {
 	id       int64
 	attempts int // attempts made before this one
 	msg      Message
+	bad      error // the row cannot be read into a message (scanLeased)
 }
 
 // DispatchOnce runs one round: it claims up to the batch size of due rows,
@@ -316,13 +317,49 @@ func (d *Dispatcher) dispatch(ctx context.Context) (dispatched, error) {
 	if len(rows) == 0 {
 		return dispatched{}, nil
 	}
-	batch := Batch{ID: batchID, Messages: make([]Message, len(rows))}
-	for i, r := range rows {
-		batch.Messages[i] = r.msg
+	batch := Batch{ID: batchID, Messages: make([]Message, 0, len(rows))}
+	held := unreadable(rows)
+	for _, r := range rows {
+		if !held.withholds(r) {
+			batch.Messages = append(batch.Messages, r.msg)
+		}
 	}
-	pubErr := d.publish(ctx, batch)
+	var pubErr error
+	if len(batch.Messages) > 0 {
+		pubErr = d.publish(ctx, batch)
+	}
 	delivered, err := d.settle(context.WithoutCancel(ctx), batch.ID, rows, pubErr)
 	return dispatched{claimed: len(rows), delivered: delivered, more: more}, err
+}
+
+// unreadableSeqs maps each aggregate of a batch that has a row that cannot
+// be read to the lowest sequence of such a row. It is nil for a batch
+// whose rows were all read, which is the normal case.
+type unreadableSeqs map[aggregateKey]int64
+
+// unreadable returns the unreadable rows of a batch by aggregate.
+func unreadable(rows []claimed) unreadableSeqs {
+	var u unreadableSeqs
+	for _, r := range rows {
+		if r.bad == nil {
+			continue
+		}
+		if u == nil {
+			u = unreadableSeqs{}
+		}
+		k := aggregateKey{r.msg.AggregateType, r.msg.AggregateID}
+		if seq, ok := u[k]; !ok || r.msg.Sequence < seq {
+			u[k] = r.msg.Sequence
+		}
+	}
+	return u
+}
+
+// withholds reports whether r stays out of the published batch: it cannot
+// be read, or it comes after a row of its aggregate that cannot.
+func (u unreadableSeqs) withholds(r claimed) bool {
+	seq, ok := u[aggregateKey{r.msg.AggregateType, r.msg.AggregateID}]
+	return ok && r.msg.Sequence >= seq
 }
 
 // ErrPublisherPanic is wrapped by the error a batch is retried with when

@@ -189,17 +189,31 @@ func retryDelay(err error) time.Duration {
 // the Publisher contract: it is put back as not attempted.
 var errAcceptedOutOfOrder = fmt.Errorf("%w: accepted after a failed message of its aggregate in the batch", ErrNotAttempted)
 
+// errBehindUnreadable is the outcome of a row withheld from the publisher
+// because an earlier row of its aggregate in the batch cannot be read: it
+// is put back, and waits behind that row's dead letter.
+var errBehindUnreadable = fmt.Errorf("%w: an earlier event of its aggregate in the batch cannot be read", ErrNotAttempted)
+
 // outcomes returns, per row, nil when the publisher accepted it or why not.
+// Rows withheld from the publisher (unreadable) have their own outcome.
 func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 	out := make([]error, len(rows))
+	held := unreadable(rows)
 	var partial *PartialError
-	switch {
-	case pubErr == nil:
-	case errors.As(pubErr, &partial):
-		failedAggregates := map[aggregateKey]bool{}
-		for i, r := range rows {
+	isPartial := errors.As(pubErr, &partial)
+	failedAggregates := map[aggregateKey]bool{}
+	for i, r := range rows {
+		agg := aggregateKey{r.msg.AggregateType, r.msg.AggregateID}
+		switch {
+		case r.bad != nil:
+			out[i] = r.bad
+			d.log.Error("outbox: event cannot be read into a message; dead-lettering it",
+				"event_id", r.msg.EventID, "aggregate_type", agg.typ, "aggregate_id", agg.id, "sequence", r.msg.Sequence, "error", r.bad)
+		case held.withholds(r):
+			out[i] = errBehindUnreadable
+		case pubErr == nil:
+		case isPartial:
 			out[i] = partial.Failed[r.msg.EventID]
-			agg := aggregateKey{r.msg.AggregateType, r.msg.AggregateID}
 			if out[i] != nil {
 				failedAggregates[agg] = true
 			} else if failedAggregates[agg] {
@@ -211,9 +225,7 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 				d.log.Error("outbox: publisher accepted a message after a failed one of the same aggregate; per-aggregate order is broken downstream, and the message will be delivered again after the failed one",
 					"event_id", r.msg.EventID, "aggregate_type", agg.typ, "aggregate_id", agg.id, "sequence", r.msg.Sequence)
 			}
-		}
-	default:
-		for i := range out {
+		default:
 			out[i] = pubErr
 		}
 	}
