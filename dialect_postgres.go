@@ -135,25 +135,14 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-// claimTx runs fn in a transaction of its own on a connection of db's
-// pool. The window's FOR UPDATE SKIP LOCKED keeps its rows from other
-// claims until the commit, so that claims running side by side read
-// disjoint windows; a row of an aggregate that another claim's window holds
-// leaves a gap, or its predecessor is undelivered.
+// claimTx runs fn in a transaction of its own, begun by GORM on db's
+// connection pool (whatever kind of pool db was opened with). The window's
+// FOR UPDATE SKIP LOCKED keeps its rows from other claims until the
+// commit, so that claims running side by side read disjoint windows; a
+// row of an aggregate that another claim's window holds leaves a gap, or
+// its predecessor is undelivered.
 func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {
-	sqlDB, err := db.DB()
-	if err != nil {
-		return err
-	}
-	tx, err := sqlDB.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	if err := fn(tx); err != nil {
-		_ = tx.Rollback()
-		return err
-	}
-	return tx.Commit()
+	return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return fn(tx.Statement.ConnPool) })
 }
 
 // undelivered looks the events up with one statement whatever their

@@ -1,13 +1,20 @@
 package outbox_test
 
 import (
+	"context"
+	"database/sql"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 	"testing"
 
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
 
+	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
 
@@ -115,4 +122,95 @@ func explain(t *testing.T, db *gorm.DB, query string) string {
 		lines = append(lines, line)
 	}
 	return strings.Join(lines, "\n")
+}
+
+// beginningPool wraps a *sql.DB as a tracing wrapper would: a connection
+// pool that is not a *sql.DB but begins transactions.
+type beginningPool struct{ *sql.DB }
+
+// plainPool wraps a *sql.DB without a way to begin transactions.
+type plainPool struct{ db *sql.DB }
+
+func (p plainPool) PrepareContext(ctx context.Context, q string) (*sql.Stmt, error) {
+	return p.db.PrepareContext(ctx, q)
+}
+func (p plainPool) ExecContext(ctx context.Context, q string, args ...any) (sql.Result, error) {
+	return p.db.ExecContext(ctx, q, args...)
+}
+func (p plainPool) QueryContext(ctx context.Context, q string, args ...any) (*sql.Rows, error) {
+	return p.db.QueryContext(ctx, q, args...)
+}
+func (p plainPool) QueryRowContext(ctx context.Context, q string, args ...any) *sql.Row {
+	return p.db.QueryRowContext(ctx, q, args...)
+}
+
+// A dispatcher claims on every kind of pool GORM can be opened with on
+// PostgreSQL, and refuses at construction one that cannot begin a
+// transaction, rather than failing every claim.
+func TestPostgresDispatcherClaimsOnEveryKindOfPool(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		open func(t *testing.T, dsn string) *gorm.DB
+	}{
+		{"simple protocol", func(t *testing.T, dsn string) *gorm.DB {
+			return openPostgres(t, postgres.Config{DSN: dsn, PreferSimpleProtocol: true}, nil)
+		}},
+		{"prepared statements", func(t *testing.T, dsn string) *gorm.DB {
+			return openPostgres(t, postgres.Config{DSN: dsn}, &gorm.Config{PrepareStmt: true})
+		}},
+		{"one connection", func(t *testing.T, dsn string) *gorm.DB {
+			db := openPostgres(t, postgres.Config{DSN: dsn}, nil)
+			sqlDB, err := db.DB()
+			mustNil(t, err)
+			sqlDB.SetMaxOpenConns(1)
+			return db
+		}},
+		{"a wrapped pool", func(t *testing.T, dsn string) *gorm.DB {
+			return openPostgres(t, postgres.Config{Conn: beginningPool{openPool(t, dsn)}}, nil)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := setup(t, outboxtest.Postgres, nil)
+			publishN(t, b.db, "a", 2)
+			publishN(t, b.db, "b", 2)
+			mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_id = 'b' AND aggregate_sequence = 1`).Error)
+			rec := &recorder{}
+			d := newDispatcher(t, tc.open(t, b.info.DSN), rec)
+			if n := dispatch(t, d); n != 2 || fmt.Sprint(rec.batchIDs()) != "[[a#1 a#2]]" {
+				t.Fatalf("delivered %d in %v, want a#1 a#2 and nothing of b", n, rec.batchIDs())
+			}
+		})
+	}
+	t.Run("a pool that cannot begin transactions", func(t *testing.T) {
+		b := setup(t, outboxtest.Postgres, nil)
+		db := openPostgres(t, postgres.Config{Conn: plainPool{openPool(t, b.info.DSN)}}, nil)
+		_, err := outbox.NewDispatcher(db, &recorder{})
+		if !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), "cannot begin transactions") {
+			t.Fatalf("NewDispatcher = %v, want ErrInvalidOption saying the pool cannot begin transactions", err)
+		}
+	})
+}
+
+func openPostgres(t *testing.T, cfg postgres.Config, gcfg *gorm.Config) *gorm.DB {
+	t.Helper()
+	if gcfg == nil {
+		gcfg = &gorm.Config{}
+	}
+	gcfg.Logger = logger.Discard
+	db, err := gorm.Open(postgres.New(cfg), gcfg)
+	mustNil(t, err)
+	t.Cleanup(func() {
+		if sqlDB, err := db.DB(); err == nil {
+			sqlDB.Close()
+		}
+	})
+	return db
+}
+
+func openPool(t *testing.T, dsn string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("pgx", dsn)
+	mustNil(t, err)
+	t.Cleanup(func() { db.Close() })
+	return db
 }
