@@ -222,10 +222,10 @@ func readWindow(ctx context.Context, q querier, query string, args ...any) ([]wi
 // unless this dispatcher knows it was accepted (accepted).
 func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow) ([]int64, error) {
 	first := make(map[aggregateKey]int64, len(win))
-	present := make(map[aggregateSeq]bool, len(win))
+	present := make(map[aggregateSeq]int, len(win)) // rows per event
 	var aggs []aggregateKey
 	for _, w := range win {
-		present[aggregateSeq{w.agg, w.seq}] = true
+		present[aggregateSeq{w.agg, w.seq}]++
 		if f, ok := first[w.agg]; !ok {
 			aggs = append(aggs, w.agg)
 			first[w.agg] = w.seq
@@ -250,18 +250,23 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 			}
 		}
 	}
+	// Each aggregate's rows end before the first sequence missing from
+	// the window, or at the first that two rows share (only a table
+	// written by hand has such rows; one of them is taken).
 	last := make(map[aggregateKey]int64, len(first))
 	for k, f := range first {
 		l := f
-		for present[aggregateSeq{k, l + 1}] {
+		for present[aggregateSeq{k, l}] == 1 && present[aggregateSeq{k, l + 1}] > 0 {
 			l++
 		}
 		last[k] = l
 	}
 	ids := make([]int64, 0, len(win))
 	for _, w := range win {
-		if f, ok := first[w.agg]; ok && w.seq >= f && w.seq <= last[w.agg] {
+		e := aggregateSeq{w.agg, w.seq}
+		if f, ok := first[w.agg]; ok && w.seq >= f && w.seq <= last[w.agg] && present[e] > 0 {
 			ids = append(ids, w.id)
+			present[e] = 0
 		}
 	}
 	return ids, nil

@@ -1,6 +1,10 @@
 package outbox
 
-import "testing"
+import (
+	"context"
+	"fmt"
+	"testing"
+)
 
 func TestAcceptedSeqsKnowsOnlyTheLastAcceptedEventOfAnAggregate(t *testing.T) {
 	a, b := aggregateKey{"agg", "a"}, aggregateKey{"agg", "b"}
@@ -40,5 +44,37 @@ func TestAcceptedSeqsForgetsEverythingWhenFull(t *testing.T) {
 	}
 	if !c.has(aggregateKey{"agg", "fourth"}, 1) {
 		t.Error("forgot the events it was just told about")
+	}
+}
+
+func TestPickOldestTakesEachAggregateFromItsFirstRowWithoutAGap(t *testing.T) {
+	a, b := aggregateKey{"agg", "a"}, aggregateKey{"agg", "b"}
+	for _, tc := range []struct {
+		name   string
+		window []windowRow // id, aggregate, sequence, in due order
+		want   string      // ids taken, in due order
+	}{
+		{"in order", []windowRow{{1, a, 1}, {2, a, 2}, {3, a, 3}}, "[1 2 3]"},
+		{"out of order in the window", []windowRow{{2, a, 2}, {1, a, 1}, {3, a, 3}}, "[2 1 3]"},
+		{"up to a gap", []windowRow{{1, a, 1}, {3, a, 3}, {4, a, 4}}, "[1]"},
+		{"aggregates apart", []windowRow{{1, a, 1}, {2, b, 1}, {3, a, 2}, {4, b, 3}}, "[1 2 3]"},
+		// Rows sharing a sequence exist only in a table written by hand:
+		// one is taken, and the aggregate's rows end there.
+		{"up to a shared sequence", []windowRow{{1, a, 1}, {2, a, 2}, {3, a, 2}, {4, a, 3}}, "[1 2]"},
+		{"a shared first sequence", []windowRow{{1, a, 1}, {2, a, 1}, {3, a, 2}}, "[1]"},
+		// The event before a#5 was the last this dispatcher delivered.
+		{"behind an event it delivered", []windowRow{{5, a, 5}, {6, a, 6}}, "[5 6]"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := &Dispatcher{accepted: acceptedSeqs{limit: 10}}
+			d.accepted.add([]aggregateSeq{{a, 4}})
+			ids, err := d.pickOldest(context.Background(), nil, tc.window)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := fmt.Sprint(ids); got != tc.want {
+				t.Errorf("took %s, want %s", got, tc.want)
+			}
+		})
 	}
 }
