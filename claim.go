@@ -19,7 +19,9 @@ import (
 // its aggregate was accepted, or after it in the same batch. A claim checks
 // exactly that: the event just before the first one it takes of an
 // aggregate (sequence minus one) must be delivered, or gone (cleanup
-// deletes only delivered rows), or not exist (sequence 1). One index probe
+// deletes only delivered rows), or not exist (sequence 1), or be the last
+// event of the aggregate that this dispatcher saw accepted and marked
+// delivered (acceptedSeqs), which is then not looked up. One index probe
 // for one key, whatever the aggregate's history: a probe for "nothing
 // undelivered before" would walk every index entry that the aggregate's
 // delivered events left behind until VACUUM removes them, and grew with
@@ -34,7 +36,9 @@ import (
 // earlier ones, claimed again meanwhile, are delivered again; first
 // deliveries stay in order. The events after such a delivered one are not
 // held back by the earlier ones' second delivery, even if it is
-// dead-lettered: they were accepted once, before it.
+// dead-lettered: they were accepted once, before it. Likewise after a
+// crash of the server forgets a settle: an event that the dispatcher saw
+// accepted does not hold back the next one while it goes out again.
 //
 // Runs. A run is the due prefix of one aggregate's undelivered events: it
 // starts at a head (an event whose predecessor was delivered: the
@@ -129,24 +133,26 @@ func headsSQL(t tables, columns string) string {
 func scanWindow(n int) int { return max(4*n, 1000) }
 
 // leaseSQL is the UPDATE that leases the picked rows, given the condition
-// that names them, and returns what a Message needs. It commits without
-// waiting for its WAL where d can (dialect.asyncCommit). Its arguments are
-// batch id, lease end, lease end, now, then those of where.
+// that names them, and returns what a Message needs, and when the server
+// started (dialect.serverStart). It commits without waiting for its WAL
+// where d can (dialect.asyncCommit). Its arguments are batch id, lease
+// end, lease end, now, then those of where.
 func leaseSQL(d dialect, t tables, where string) string {
 	return `UPDATE ` + t.records + ` SET
 	delivery_state = 'delivering', batch_id = ?, locked_until = ?, next_attempt_at = ?, updated_at = ?
 WHERE (` + where + `)` + d.asyncCommit() + `
 RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, occurred_at, delivery_attempts`
+	idempotency_key, payload, headers, occurred_at, delivery_attempts, ` + d.serverStart()
 }
 
 // windowSQL reads the window of an oldest-first claim: the batch size of
 // oldest due rows, in due order, through the due index, locked with d's
 // row-locking clause (dialect.skipLocked: none where the claim holds the
 // database's write lock), so that claims running side by side read
-// disjoint windows. Arguments: now, batch size.
+// disjoint windows. Each row also carries when the server started
+// (dialect.serverStart). Arguments: now, batch size.
 func windowSQL(d dialect, t tables) string {
-	return `SELECT r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM ` + t.records + ` r
+	return `SELECT r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence, ` + d.serverStart() + ` FROM ` + t.records + ` r
 WHERE ` + dueSQL("r") + `
 ORDER BY r.next_attempt_at, r.id
 LIMIT ?` + d.skipLocked()
@@ -157,9 +163,10 @@ type aggregateKey struct{ typ, id string }
 
 // windowRow is a row of an oldest-first claim's window.
 type windowRow struct {
-	id  int64
-	agg aggregateKey
-	seq int64
+	id          int64
+	agg         aggregateKey
+	seq         int64
+	serverStart time.Time
 }
 
 // aggregateSeq is one event of an aggregate, by its sequence.
@@ -179,6 +186,9 @@ func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs) (rows []claim
 			return fmt.Errorf("window: %w", err)
 		}
 		seen = len(win)
+		if len(win) > 0 {
+			d.accepted.serverStarted(win[0].serverStart)
+		}
 		ids, err := d.pickOldest(ctx, q, win)
 		if err != nil || len(ids) == 0 {
 			return err
@@ -204,10 +214,14 @@ func readWindow(ctx context.Context, q querier, query string, args ...any) ([]wi
 	defer res.Close()
 	var win []windowRow
 	for res.Next() {
-		var w windowRow
-		if err := res.Scan(&w.id, &w.agg.typ, &w.agg.id, &w.seq); err != nil {
+		var (
+			w       windowRow
+			started scanTime
+		)
+		if err := res.Scan(&w.id, &w.agg.typ, &w.agg.id, &w.seq, &started); err != nil {
 			return nil, err
 		}
+		w.serverStart = started.Time
 		win = append(win, w)
 	}
 	return win, res.Err()
@@ -218,8 +232,9 @@ func readWindow(ctx context.Context, q querier, query string, args ...any) ([]wi
 // the window on, without a gap (a row missing from the window, because it
 // is not due or another claim holds it, ends the aggregate's rows),
 // provided the event before that lowest one was delivered. That event is
-// looked up (dialect.undelivered, one statement for all the aggregates)
-// unless this dispatcher knows it was accepted (accepted).
+// looked up (dialect.undelivered: one statement for all the aggregates,
+// one per 500 on SQLite) unless this dispatcher knows it was accepted
+// (accepted).
 func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow) ([]int64, error) {
 	first := make(map[aggregateKey]int64, len(win))
 	present := make(map[aggregateSeq]int, len(win)) // rows per event
@@ -283,10 +298,30 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 // up to limit aggregates and forgets them all when full, so its memory is
 // bounded whatever the number of aggregates; a forgotten one costs a
 // lookup.
+//
+// A sequence names an event only while the database remembers the event:
+// a database that forgets committed transactions (a failover to a standby
+// that had not received them, a restore to an earlier point, writers that
+// commit asynchronously and a crash) gives their sequences to new events.
+// Any of those restarts the server or replaces it, so the memory is kept
+// for one server start only (serverStarted): every claim's window says
+// when its server started, and a new start forgets everything. On SQLite
+// the database lives in the process, which a crash takes with the memory.
 type acceptedSeqs struct {
-	mu    sync.Mutex
-	limit int
-	seqs  map[aggregateKey]int64
+	mu      sync.Mutex
+	limit   int
+	seqs    map[aggregateKey]int64
+	started time.Time
+}
+
+// serverStarted forgets everything unless the server started at the same
+// time as the one the memory was built on.
+func (c *acceptedSeqs) serverStarted(at time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !at.Equal(c.started) {
+		c.seqs, c.started = nil, at
+	}
 }
 
 // acceptedLimit is how many aggregates a dispatcher remembers for a batch
@@ -296,8 +331,7 @@ func acceptedLimit(n int) int { return max(16*n, 4096) }
 // has reports whether the event at seq of k is the last one of k that
 // this dispatcher knows to be accepted. (Those before it were accepted
 // too, but one of them may be out for a second delivery after a late
-// settle; asking only about the last keeps a claim exactly as strict as
-// the lookup.)
+// settle: a claim behind it looks it up, and waits for it.)
 func (c *acceptedSeqs) has(k aggregateKey, seq int64) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -305,10 +339,15 @@ func (c *acceptedSeqs) has(k aggregateKey, seq int64) bool {
 	return ok && last == seq
 }
 
-// add records that events were accepted and marked delivered.
-func (c *acceptedSeqs) add(events []aggregateSeq) {
+// add records that events were accepted and marked delivered, events
+// leased by a server that started at started: unless that is the server
+// the memory is built on, they are not recorded.
+func (c *acceptedSeqs) add(events []aggregateSeq, started time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if !started.Equal(c.started) {
+		return
+	}
 	if c.seqs == nil || len(c.seqs)+len(events) > c.limit {
 		c.seqs = make(map[aggregateKey]int64, min(c.limit, 2*len(events)))
 	}
@@ -416,12 +455,14 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 			payload []byte
 			headers sql.NullString
 			at      any
+			started scanTime
 		)
 		dest := []any{&r.id, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
-			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts}
+			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts, &started}
 		if err := res.Scan(dest...); err != nil {
 			return nil, fmt.Errorf("scan: %w", err)
 		}
+		r.serverStart = started.Time
 		r.msg.Payload = payload
 		r.msg.Attempt = r.attempts + 1
 		var occurred scanTime

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -507,4 +508,79 @@ func (w *logWatch) errors() int {
 		}
 	}
 	return n
+}
+
+// A database that forgets committed transactions (a failover to a standby
+// that had not received them, a restore to an earlier point) gives their
+// sequences to new events. A dispatcher that delivered the forgotten ones
+// must not take that for the new ones: after the server restarts, it
+// checks again that the event before is delivered. The test forgets a#2
+// and a#3 by hand, then restarts the server, as a failover would replace
+// it; it does not run in parallel with anything.
+func TestPostgresDispatcherForgetsWhatItDeliveredWhenTheServerRestarts(t *testing.T) {
+	restart := restartCommand(t, "fast")
+	b := setup(t, outboxtest.Postgres, nil)
+	publishN(t, b.db, "a", 3)
+	calls := 0
+	rec := &recorder{next: func(batch outbox.Batch) error {
+		if calls++; calls == 1 {
+			return nil
+		}
+		// The new a#2 is accepted, the new a#3 fails, a#4 is not tried.
+		failed := map[string]error{}
+		for _, m := range batch.Messages {
+			switch m.Sequence {
+			case 3:
+				failed[m.EventID] = errors.New("broker said no")
+			case 4:
+				failed[m.EventID] = outbox.ErrNotAttempted
+			}
+		}
+		return &outbox.PartialError{Failed: failed}
+	}}
+	d := newDispatcher(t, b.db, rec, outbox.WithBatchSize(3), outbox.WithPollInterval(10*time.Millisecond))
+	if n := dispatch(t, d); n != 3 {
+		t.Fatalf("the first dispatch delivered %d events, want a#1 to a#3", n)
+	}
+	mustNil(t, b.db.Exec(`DELETE FROM outbox_records WHERE aggregate_sequence > 1`).Error)
+	mustNil(t, b.db.Exec(`UPDATE outbox_records_sequences SET last_sequence = 1`).Error)
+	var before, after time.Time
+	mustNil(t, b.db.Raw(`SELECT pg_postmaster_start_time()`).Scan(&before).Error)
+	if out, err := exec.Command(restart[0], restart[1:]...).CombinedOutput(); err != nil {
+		if !waitForServer(t, 60*time.Second) {
+			t.Fatalf("%v failed (%v: %s) and the server does not answer any more", restart, err, out)
+		}
+		t.Skipf("skipping: the machine does not allow restarting PostgreSQL: %v: %v: %s", restart, err, out)
+	}
+	if !waitForServer(t, 60*time.Second) {
+		t.Fatalf("the server does not accept connections a minute after %v", restart)
+	}
+	// The pools' connections died with the server: retry until each
+	// statement runs on a new one.
+	retry := func(what string, fn func() error) {
+		t.Helper()
+		var err error
+		for range 20 {
+			if err = fn(); err == nil {
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		t.Fatalf("%s after the restart: %v", what, err)
+	}
+	retry("read the start time", func() error { return b.db.Raw(`SELECT pg_postmaster_start_time()`).Scan(&after).Error })
+	if after.Equal(before) {
+		t.Skipf("skipping: %v did not restart the server the tests use", restart)
+	}
+	for range 3 {
+		retry("publish", func() error {
+			return outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "agg", AggregateID: "a"})
+		})
+	}
+	retry("dispatch", func() error { _, err := d.DispatchOnce(context.Background()); return err })
+	time.Sleep(50 * time.Millisecond) // a#4 is due again; a#3 waits for its retry
+	dispatch(t, d)
+	if got := fmt.Sprint(rec.batchIDs()); got != "[[a#1 a#2 a#3] [a#2 a#3 a#4]]" {
+		t.Fatalf("batches %s: after the restart, a#4 went out while the new a#3 waits for its retry", got)
+	}
 }

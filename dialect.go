@@ -59,6 +59,10 @@ type dialect interface {
 	// where the engine has row locks, nothing where the claim's
 	// transaction holds the whole database.
 	skipLocked() string
+	// serverStart is an expression for when the database server started,
+	// so that a claim learns of a restart or a failover (acceptedSeqs); a
+	// NULL timestamp where the database lives in the process.
+	serverStart() string
 	// asyncCommit is a condition, always true, to append to the WHERE of
 	// a claim's lease and of a settle (and of no other statement) so that
 	// the statement's own transaction commits without waiting for its WAL

@@ -220,6 +220,8 @@ func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", [
 
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
+func (postgresDialect) serverStart() string { return "pg_postmaster_start_time()" }
+
 // asyncCommit sets synchronous_commit off for the statement's own
 // transaction (set_config with is_local), through an uncorrelated subquery
 // that runs once, within the statement and so before its commit: the

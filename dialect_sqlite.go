@@ -90,6 +90,8 @@ func (sqliteDialect) idsIn(ids []int64) (string, []any) {
 
 func (sqliteDialect) skipLocked() string { return "" }
 
+func (sqliteDialect) serverStart() string { return "NULL" }
+
 // asyncCommit is empty: how a SQLite commit syncs is the connection's
 // synchronous pragma (mattn/go-sqlite3 sets NORMAL unless the DSN's _sync
 // says otherwise; in WAL mode NORMAL syncs only at checkpoints).

@@ -46,8 +46,9 @@ const (
 // delivered at least once. Consumers deduplicate on Message.EventID.
 //
 // Per aggregate, a message is claimed only once the sequence before it has
-// been delivered (or is in the same batch, before it), so a publisher
-// never receives sequence n+1 before sequence n was accepted. A
+// been delivered (or is in the same batch, before it, or this dispatcher
+// saw it accepted), so a publisher never receives sequence n+1 before
+// sequence n was accepted. A
 // dead-lettered (failed) message therefore holds back the later messages
 // of its own aggregate, and of no other, until [Dispatcher.RetryFailed]
 // brings it back and it is delivered, or an operator deletes its row. The
@@ -287,6 +288,9 @@ type claimed struct {
 	attempts int // attempts made before this one
 	msg      Message
 	bad      error // the row cannot be read into a message (scanLeased)
+	// serverStart is when the server that leased the row started
+	// (acceptedSeqs).
+	serverStart time.Time
 }
 
 // DispatchOnce runs one round: it claims up to the batch size of due rows,

@@ -109,7 +109,7 @@ func (d *Dispatcher) remember(rows []claimed, outcomes []error) {
 			events = append(events, aggregateSeq{aggregateKey{r.msg.AggregateType, r.msg.AggregateID}, r.msg.Sequence})
 		}
 	}
-	d.accepted.add(events)
+	d.accepted.add(events, rows[0].serverStart)
 }
 
 // settleKey is one outcome; rows that share it are settled together.
