@@ -303,10 +303,12 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 // a database that forgets committed transactions (a failover to a standby
 // that had not received them, a restore to an earlier point, writers that
 // commit asynchronously and a crash) gives their sequences to new events.
-// Any of those restarts the server or replaces it, so the memory is kept
-// for one server start only (serverStarted): every claim's window says
-// when its server started, and a new start forgets everything. On SQLite
-// the database lives in the process, which a crash takes with the memory.
+// Any of those replaces the server, restarts it, or has it recover from a
+// crash in place (the crash of one backend), so the memory is kept for
+// one start or recovery of the server only (serverStarted): every claim's
+// window and lease say when their server last started or recovered
+// (dialect.serverStart), and a new one forgets everything. On SQLite the
+// database lives in the process, which a crash takes with the memory.
 type acceptedSeqs struct {
 	mu      sync.Mutex
 	limit   int
@@ -468,6 +470,10 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 		var occurred scanTime
 		if err := occurred.Scan(at); err != nil {
 			r.bad = fmt.Errorf("occurred_at: %w", err)
+		} else if occurred.Time.IsZero() {
+			// The library never writes it so; mattn/go-sqlite3 reads a
+			// DATETIME it cannot parse as the zero time.
+			r.bad = errors.New("occurred_at: zero, or not a time the driver can read")
 		}
 		r.msg.OccurredAt = occurred.Time
 		if headers.Valid {

@@ -59,10 +59,14 @@ type dialect interface {
 	// where the engine has row locks, nothing where the claim's
 	// transaction holds the whole database.
 	skipLocked() string
-	// serverStart is an expression for when the database server started,
-	// so that a claim learns of a restart or a failover (acceptedSeqs); a
+	// serverStart is an expression for when the database server last
+	// started or recovered from a crash, so that a claim learns of any
+	// event that may have lost committed transactions (acceptedSeqs); a
 	// NULL timestamp where the database lives in the process.
 	serverStart() string
+	// checkPool reports why db's connection pool cannot serve a
+	// dispatcher's claims, if it cannot.
+	checkPool(db *gorm.DB) error
 	// asyncCommit is a condition, always true, to append to the WHERE of
 	// a claim's lease and of a settle (and of no other statement) so that
 	// the statement's own transaction commits without waiting for its WAL

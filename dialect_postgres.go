@@ -145,6 +145,16 @@ func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier
 	return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return fn(tx.Statement.ConnPool) })
 }
 
+// checkPool: claimTx begins its transaction through GORM, which needs a
+// pool that can begin one.
+func (postgresDialect) checkPool(db *gorm.DB) error {
+	switch db.Statement.ConnPool.(type) {
+	case gorm.TxBeginner, gorm.ConnPoolBeginner:
+		return nil
+	}
+	return fmt.Errorf("the connection pool (%T) cannot begin transactions, which a claim needs", db.Statement.ConnPool)
+}
+
 // undelivered looks the events up with one statement whatever their
 // number: three array arguments, one scalar subquery per event through the
 // aggregate index (a join would let the planner pick a plan from
@@ -220,7 +230,16 @@ func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", [
 
 func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
-func (postgresDialect) serverStart() string { return "pg_postmaster_start_time()" }
+// serverStart changes when the server restarts (pg_postmaster_start_time)
+// and when it recovers from the crash of a backend without restarting,
+// which also loses the commits still in the WAL buffers: PostgreSQL 15
+// then resets its statistics, and stamps the reset time. (A manual reset
+// of the bgwriter statistics changes it too, which only costs the
+// dispatchers their memory.) One subquery, so that it is computed once per
+// statement, not per row.
+func (postgresDialect) serverStart() string {
+	return "(SELECT greatest(pg_postmaster_start_time(), pg_stat_get_bgwriter_stat_reset_time()))"
+}
 
 // asyncCommit sets synchronous_commit off for the statement's own
 // transaction (set_config with is_local), through an uncorrelated subquery

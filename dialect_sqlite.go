@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"fmt"
 	"strings"
 	"time"
 
@@ -106,6 +107,15 @@ func (sqliteDialect) rejectsData(error) bool { return false }
 // lease see one state of the database.
 func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
+}
+
+// checkPool: immediate takes a connection of its own from db.DB(), which
+// needs a *sql.DB behind the pool.
+func (sqliteDialect) checkPool(db *gorm.DB) error {
+	if _, err := db.DB(); err != nil {
+		return fmt.Errorf("the connection pool (%T) has no *sql.DB behind it, from which a claim takes a connection of its own: %w", db.Statement.ConnPool, err)
+	}
+	return nil
 }
 
 // undeliveredChunk is how many events one lookup statement on SQLite

@@ -241,14 +241,12 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if _, inTx := db.Statement.ConnPool.(gorm.TxCommitter); inTx {
 		return nil, fmt.Errorf("%w: NewDispatcher: db is inside a transaction; a dispatcher commits each of its statements on its own", ErrInvalidOption)
 	}
-	switch db.Statement.ConnPool.(type) {
-	case gorm.TxBeginner, gorm.ConnPoolBeginner:
-	default:
-		return nil, fmt.Errorf("%w: NewDispatcher: db's connection pool (%T) cannot begin transactions, which a claim needs", ErrInvalidOption, db.Statement.ConnPool)
-	}
 	dl, err := dialectOf(db)
 	if err != nil {
 		return nil, err
+	}
+	if err := dl.checkPool(db); err != nil {
+		return nil, fmt.Errorf("%w: NewDispatcher: %w", ErrInvalidOption, err)
 	}
 	d := &Dispatcher{
 		db:             db,

@@ -2,9 +2,14 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
+
+	"gorm.io/driver/sqlite"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
@@ -100,5 +105,20 @@ func TestSQLiteDispatchersOnSeparatePoolsShareTheFile(t *testing.T) {
 	}
 	if len(seen) != 100 {
 		t.Fatalf("%d of 100 events published", len(seen))
+	}
+}
+
+// A dispatcher on SQLite takes a connection of its own for each claim, so
+// it refuses at construction a pool with no *sql.DB behind it, rather than
+// failing every claim.
+func TestSQLiteDispatcherRefusesAPoolWithoutASQLDB(t *testing.T) {
+	b := setup(t, outboxtest.SQLite, nil)
+	sqlDB, err := b.db.DB()
+	mustNil(t, err)
+	db, err := gorm.Open(sqlite.Dialector{Conn: beginningPool{sqlDB}}, &gorm.Config{Logger: logger.Discard})
+	mustNil(t, err)
+	_, err = outbox.NewDispatcher(db, &recorder{})
+	if !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), "no *sql.DB") {
+		t.Fatalf("NewDispatcher = %v, want ErrInvalidOption saying there is no *sql.DB", err)
 	}
 }
