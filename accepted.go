@@ -1,9 +1,6 @@
 package outbox
 
-import (
-	"sync"
-	"time"
-)
+import "sync"
 
 // acceptedSeqs remembers, per aggregate, the highest sequence that this
 // dispatcher's publisher accepted and its settle marked delivered. Such an
@@ -31,16 +28,16 @@ type acceptedSeqs struct {
 	mu      sync.Mutex
 	limit   int
 	seqs    map[aggregateKey]int64
-	started time.Time
+	started string
 }
 
-// serverStarted forgets everything unless the server started at the same
-// time as the one the memory was built on.
-func (c *acceptedSeqs) serverStarted(at time.Time) {
+// serverStarted forgets everything unless the server's start is the one
+// the memory was built on.
+func (c *acceptedSeqs) serverStarted(start string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if !at.Equal(c.started) {
-		c.seqs, c.started = nil, at
+	if start != c.started {
+		c.seqs, c.started = nil, start
 	}
 }
 
@@ -60,12 +57,12 @@ func (c *acceptedSeqs) has(k aggregateKey, seq int64) bool {
 }
 
 // add records that events were accepted and marked delivered, events
-// leased by a server that started at started: unless that is the server
-// the memory is built on, they are not recorded.
-func (c *acceptedSeqs) add(events []aggregateSeq, started time.Time) {
+// leased by a server whose start was started: unless that is the start the
+// memory is built on, they are not recorded.
+func (c *acceptedSeqs) add(events []aggregateSeq, started string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if !started.Equal(c.started) {
+	if started != c.started {
 		return
 	}
 	if c.seqs == nil || len(c.seqs)+len(events) > c.limit {

@@ -141,7 +141,7 @@ func leaseSQL(d dialect, t tables, where string) string {
 	delivery_state = 'delivering', batch_id = ?, locked_until = ?, next_attempt_at = ?, updated_at = ?
 WHERE (` + where + `)` + d.asyncCommit() + `
 RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, occurred_at, delivery_attempts, ` + d.serverStart()
+	idempotency_key, payload, headers, ` + d.readTime("occurred_at") + `, delivery_attempts, ` + d.serverStart()
 }
 
 // windowSQL reads the window of an oldest-first claim: the batch size of
@@ -165,7 +165,7 @@ type windowRow struct {
 	id          int64
 	agg         aggregateKey
 	seq         int64
-	serverStart time.Time
+	serverStart string
 }
 
 // aggregateSeq is one event of an aggregate, by its sequence.
@@ -215,12 +215,12 @@ func readWindow(ctx context.Context, q querier, query string, args ...any) ([]wi
 	for res.Next() {
 		var (
 			w       windowRow
-			started scanTime
+			started sql.NullString
 		)
 		if err := res.Scan(&w.id, &w.agg.typ, &w.agg.id, &w.seq, &started); err != nil {
 			return nil, err
 		}
-		w.serverStart = started.Time
+		w.serverStart = started.String
 		win = append(win, w)
 	}
 	return win, res.Err()
@@ -383,23 +383,19 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 			payload []byte
 			headers sql.NullString
 			at      any
-			started scanTime
+			started sql.NullString
 		)
 		dest := []any{&r.id, &r.msg.EventID, &r.msg.EventType, &r.msg.AggregateType, &r.msg.AggregateID,
 			&r.msg.Sequence, &r.msg.IdempotencyKey, &payload, &headers, &at, &r.attempts, &started}
 		if err := res.Scan(dest...); err != nil {
 			return nil, fmt.Errorf("scan: %w", err)
 		}
-		r.serverStart = started.Time
+		r.serverStart = started.String
 		r.msg.Payload = payload
 		r.msg.Attempt = r.attempts + 1
 		var occurred scanTime
 		if err := occurred.Scan(at); err != nil {
 			r.bad = fmt.Errorf("occurred_at: %w", err)
-		} else if occurred.Time.IsZero() {
-			// The library never writes it so; mattn/go-sqlite3 reads a
-			// DATETIME it cannot parse as the zero time.
-			r.bad = errors.New("occurred_at: zero, or not a time the driver can read")
 		}
 		r.msg.OccurredAt = occurred.Time
 		if headers.Valid {

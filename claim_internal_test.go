@@ -4,13 +4,12 @@ import (
 	"context"
 	"fmt"
 	"testing"
-	"time"
 )
 
 func TestAcceptedSeqsKnowsOnlyTheLastAcceptedEventOfAnAggregate(t *testing.T) {
 	a, b := aggregateKey{"agg", "a"}, aggregateKey{"agg", "b"}
 	c := acceptedSeqs{limit: 10}
-	c.add([]aggregateSeq{{a, 1}, {a, 3}, {a, 2}}, time.Time{})
+	c.add([]aggregateSeq{{a, 1}, {a, 3}, {a, 2}}, "")
 	for _, tc := range []struct {
 		agg  aggregateKey
 		seq  int64
@@ -32,11 +31,11 @@ func TestAcceptedSeqsKnowsOnlyTheLastAcceptedEventOfAnAggregate(t *testing.T) {
 func TestAcceptedSeqsForgetsEverythingWhenFull(t *testing.T) {
 	c := acceptedSeqs{limit: 3}
 	first := aggregateKey{"agg", "first"}
-	c.add([]aggregateSeq{{first, 1}, {aggregateKey{"agg", "second"}, 1}}, time.Time{})
+	c.add([]aggregateSeq{{first, 1}, {aggregateKey{"agg", "second"}, 1}}, "")
 	if !c.has(first, 1) {
 		t.Fatal("forgot an aggregate before it was full")
 	}
-	c.add([]aggregateSeq{{aggregateKey{"agg", "third"}, 1}, {aggregateKey{"agg", "fourth"}, 1}}, time.Time{})
+	c.add([]aggregateSeq{{aggregateKey{"agg", "third"}, 1}, {aggregateKey{"agg", "fourth"}, 1}}, "")
 	if c.has(first, 1) {
 		t.Error("still remembers an aggregate after it overflowed")
 	}
@@ -69,7 +68,7 @@ func TestPickOldestTakesEachAggregateFromItsFirstRowWithoutAGap(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := &Dispatcher{accepted: acceptedSeqs{limit: 10}}
-			d.accepted.add([]aggregateSeq{{a, 4}}, time.Time{})
+			d.accepted.add([]aggregateSeq{{a, 4}}, "")
 			ids, err := d.pickOldest(context.Background(), nil, tc.window)
 			if err != nil {
 				t.Fatal(err)
@@ -83,7 +82,7 @@ func TestPickOldestTakesEachAggregateFromItsFirstRowWithoutAGap(t *testing.T) {
 
 func TestAcceptedSeqsForgetsEverythingWhenTheServerRestarts(t *testing.T) {
 	a := aggregateKey{"agg", "a"}
-	first, second := time.Unix(1000, 0), time.Unix(2000, 0)
+	first, second := "1000.5 900.25", "1000.5 2000.75" // a recovery in place
 	c := acceptedSeqs{limit: 10}
 	c.serverStarted(first)
 	c.add([]aggregateSeq{{a, 3}}, first)

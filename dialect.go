@@ -59,11 +59,15 @@ type dialect interface {
 	// where the engine has row locks, nothing where the claim's
 	// transaction holds the whole database.
 	skipLocked() string
-	// serverStart is an expression for when the database server last
-	// started or recovered from a crash, so that a claim learns of any
-	// event that may have lost committed transactions (acceptedSeqs); a
-	// NULL timestamp where the database lives in the process.
+	// serverStart is a text expression that changes whenever the database
+	// server starts or recovers from a crash, so that a claim learns of any
+	// event that may have lost committed transactions (acceptedSeqs); NULL
+	// where the database lives in the process.
 	serverStart() string
+	// readTime is the expression that returns a timestamp column so that
+	// a value the driver cannot read fails to scan (scanTime) rather than
+	// reading as the zero time.
+	readTime(column string) string
 	// checkPool reports why db's connection pool cannot serve a
 	// dispatcher's claims, if it cannot.
 	checkPool(db *gorm.DB) error

@@ -232,14 +232,22 @@ func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
 
 // serverStart changes when the server restarts (pg_postmaster_start_time)
 // and when it recovers from the crash of a backend without restarting,
-// which also loses the commits still in the WAL buffers: PostgreSQL 15
-// then resets its statistics, and stamps the reset time. (A manual reset
-// of the bgwriter statistics changes it too, which only costs the
-// dispatchers their memory.) One subquery, so that it is computed once per
-// statement, not per row.
+// which also loses the commits still in the WAL buffers: PostgreSQL then
+// resets its statistics, and stamps the reset time. (A manual reset of the
+// bgwriter statistics changes it too, which only costs the dispatchers
+// their memory.) Both times, in seconds since the epoch whatever the
+// session's time zone, not the later of them: a clock set back could hide
+// a recovery behind an older start. One subquery, so that
+// it is computed once per statement, not per row. Before PostgreSQL 15,
+// reading a statistic made a transaction read the statistics collector's
+// file, which costs each claim that read there.
 func (postgresDialect) serverStart() string {
-	return "(SELECT greatest(pg_postmaster_start_time(), pg_stat_get_bgwriter_stat_reset_time()))"
+	return "(SELECT extract(epoch FROM pg_postmaster_start_time())::text || ' ' ||" +
+		" coalesce(extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time())::text, ''))"
 }
+
+// readTime: a timestamptz column holds nothing but times.
+func (postgresDialect) readTime(column string) string { return column }
 
 // asyncCommit sets synchronous_commit off for the statement's own
 // transaction (set_config with is_local), through an uncorrelated subquery

@@ -93,6 +93,10 @@ func (sqliteDialect) skipLocked() string { return "" }
 
 func (sqliteDialect) serverStart() string { return "NULL" }
 
+// readTime returns the stored text: mattn/go-sqlite3 reads a DATETIME
+// column's text that it cannot parse as the zero time, without an error.
+func (sqliteDialect) readTime(column string) string { return "CAST(" + column + " AS TEXT)" }
+
 // asyncCommit is empty: how a SQLite commit syncs is the connection's
 // synchronous pragma (mattn/go-sqlite3 sets NORMAL unless the DSN's _sync
 // says otherwise; in WAL mode NORMAL syncs only at checkpoints).

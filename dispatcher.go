@@ -288,7 +288,7 @@ type claimed struct {
 	bad      error // the row cannot be read into a message (scanLeased)
 	// serverStart is when the server that leased the row started
 	// (acceptedSeqs).
-	serverStart time.Time
+	serverStart string
 }
 
 // DispatchOnce runs one round: it claims up to the batch size of due rows,
