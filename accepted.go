@@ -42,8 +42,13 @@ func (c *acceptedSeqs) serverStarted(start string) {
 }
 
 // acceptedLimit is how many aggregates a dispatcher remembers for a batch
-// size of n: enough for the aggregates of sixteen batches.
-func acceptedLimit(n int) int { return max(16*n, 4096) }
+// size of n: as many as 128 batches can hold, so that an aggregate whose
+// next event comes a hundred batches after its last is still known. An
+// aggregate costs about 130 bytes (its names and the map's share): 1.7 MB
+// at the default batch size, 17 MB at 1,000. Sixteen batches' worth
+// drained 0.83 × the raw loop from a backlog over 100,000 aggregates at
+// batch 1,000, sixty-four 0.87 ×, 128 0.94 × (bench, one dispatcher).
+func acceptedLimit(n int) int { return max(128*n, 4096) }
 
 // has reports whether the event at seq of k is the last one of k that
 // this dispatcher knows to be accepted. (Those before it were accepted
