@@ -335,9 +335,10 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		return a.batchID, sortByID(rows), full, nil
 	}
 	// The window held back some of its rows: other dispatchers hold their
-	// aggregates, or their heads wait for a retry. Top the batch up by runs, and if runs found
-	// anything, claim by runs alone for a while: a window that stays held
-	// back would be read again, and topped up again, at every claim.
+	// aggregates, or their heads wait for a retry. Top the batch up by
+	// runs, and if runs found anything, claim by runs alone for a while: a
+	// window that stays held back would be read again, and topped up
+	// again, at every claim.
 	oldest := len(rows)
 	a.limit -= oldest
 	runs, err := d.claimRuns(ctx, a)

@@ -286,8 +286,8 @@ type claimed struct {
 	attempts int // attempts made before this one
 	msg      Message
 	bad      error // the row cannot be read into a message (scanLeased)
-	// serverStart is when the server that leased the row started
-	// (acceptedSeqs).
+	// serverStart names the start or recovery of the server that leased
+	// the row (dialect.serverStart, acceptedSeqs).
 	serverStart string
 }
 
