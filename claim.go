@@ -149,10 +149,16 @@ RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequ
 // row-locking clause (dialect.skipLocked: none where the claim holds the
 // database's write lock), so that claims running side by side read
 // disjoint windows. Each row also carries when the server started
-// (dialect.serverStart). Arguments: now, batch size.
-func windowSQL(d dialect, t tables) string {
+// (dialect.serverStart). With slotOf (slotLocks.slotOf), the window holds
+// only rows of the slots in a bit mask, the argument after now; the index
+// scan steps over the others. Arguments: now, [slots,] batch size.
+func windowSQL(d dialect, t tables, slotOf string) string {
+	inSlots := ""
+	if slotOf != "" {
+		inSlots = ` AND (?::int8 >> ` + slotOf + `) & 1 = 1`
+	}
 	return `SELECT r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence, ` + d.serverStart() + ` FROM ` + t.records + ` r
-WHERE ` + dueSQL("r") + `
+WHERE ` + dueSQL("r") + inSlots + `
 ORDER BY r.next_attempt_at, r.id
 LIMIT ?` + d.skipLocked()
 }
@@ -177,10 +183,15 @@ type aggregateSeq struct {
 // claimOldest leases what pickOldest takes from the window, in one short
 // transaction (dialect.claimTx) that holds the window's rows from the read
 // to the lease, and returns the leased rows and how many rows the window
-// held.
-func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs) (rows []claimed, seen int, err error) {
+// held. A window of slots (a bit mask, not 0) holds only their rows.
+func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64) (rows []claimed, seen int, err error) {
+	query, args := windowSQL(d.d, d.t, ""), []any{d.d.timeArg(a.now), a.limit}
+	if slots != 0 {
+		query = windowSQL(d.d, d.t, d.d.slotLocks().slotOf("r"))
+		args = []any{args[0], int64(slots), a.limit}
+	}
 	err = d.d.claimTx(ctx, d.db, func(q querier) error {
-		win, err := readWindow(ctx, q, d.d.bind(windowSQL(d.d, d.t)), d.d.timeArg(a.now), a.limit)
+		win, err := readWindow(ctx, q, d.d.bind(query), args...)
 		if err != nil {
 			return fmt.Errorf("window: %w", err)
 		}
@@ -306,11 +317,15 @@ func leaseArgs(dl dialect, a claimArgs) []any {
 }
 
 // claim leases up to the batch size of due rows in short transactions
-// (see above), and returns them oldest first under a fresh
-// batch id. more reports whether due rows may remain that the claim did
-// not take for want of room: then the dispatcher should claim again at
-// once rather than wait for a wake-up.
-func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed, more bool, err error) {
+// (see above), and returns them oldest first under a fresh batch id. A
+// dispatcher that holds some of the slots but not all (slots.go) reads the
+// window of its own slots, and the window of all of them only when its own
+// have nothing due. more reports whether due rows may remain that the
+// claim did not take for want of room: then the dispatcher should claim
+// again at once rather than wait for a wake-up. heldBack reports whether
+// the claim may have stepped over due rows it could not take (see
+// parkBlocked).
+func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed, more, heldBack bool, err error) {
 	now := time.Now()
 	a := claimArgs{
 		now:      now,
@@ -318,40 +333,49 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
 	}
-	if now.UnixNano() < d.runsUntil.Load() {
-		rows, err = d.claimRuns(ctx, a)
-		if err != nil {
-			return "", nil, false, err
+	slots, seen := d.ownSlots(), 0
+	if slots != 0 {
+		if rows, seen, err = d.claimOldest(ctx, a, slots); err != nil {
+			return "", nil, false, false, fmt.Errorf("outbox: claim: %w", err)
 		}
-		return a.batchID, sortByID(rows), len(rows) == a.limit, nil
 	}
-	rows, seen, err := d.claimOldest(ctx, a)
-	if err != nil {
-		return "", nil, false, fmt.Errorf("outbox: claim: %w", err)
+	if seen == 0 {
+		slots = 0
+		if now.UnixNano() < d.runsUntil.Load() {
+			rows, err = d.claimRuns(ctx, a)
+			if err != nil {
+				return "", nil, false, false, err
+			}
+			return a.batchID, sortByID(rows), len(rows) == a.limit, true, nil
+		}
+		if rows, seen, err = d.claimOldest(ctx, a, 0); err != nil {
+			return "", nil, false, false, fmt.Errorf("outbox: claim: %w", err)
+		}
 	}
-	full := seen == a.limit
+	full := seen == a.limit && len(rows) > 0
 	if seen == 0 || len(rows) == seen {
 		// Nothing due, or nothing held back.
-		return a.batchID, sortByID(rows), full, nil
+		return a.batchID, sortByID(rows), full, false, nil
 	}
 	// The window held back some of its rows: other dispatchers hold their
-	// aggregates, or their heads wait for a retry. Top the batch up by
-	// runs, and if runs found anything, claim by runs alone for a while: a
-	// window that stays held back would be read again, and topped up
-	// again, at every claim.
+	// aggregates, or their heads wait for a retry, or come after the
+	// window in due order. Top the batch up by runs, and if runs found
+	// anything, claim by runs alone for a while, unless this dispatcher
+	// has slots of its own to look at: a window that stays held back
+	// would be read again, and topped up again, at every claim.
 	oldest := len(rows)
 	a.limit -= oldest
 	runs, err := d.claimRuns(ctx, a)
 	switch {
 	case err != nil && oldest == 0:
-		return "", nil, false, err
+		return "", nil, false, false, err
 	case err != nil:
 		d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took", "batch_id", a.batchID, "error", err)
-		return a.batchID, sortByID(rows), true, nil
-	case len(runs) > 0:
+		return a.batchID, sortByID(rows), true, true, nil
+	case len(runs) > 0 && slots == 0:
 		d.runsUntil.Store(now.Add(runsPolls * d.pollInterval).UnixNano())
 	}
-	return a.batchID, sortByID(append(rows, runs...)), full || len(runs) == a.limit, nil
+	return a.batchID, sortByID(append(rows, runs...)), full || len(runs) == a.limit, true, nil
 }
 
 // runsPolls is for how many poll intervals a dispatcher claims by runs

@@ -80,6 +80,9 @@ type dialect interface {
 	// once allows that, and the events themselves were written by the
 	// caller's transaction, with its durability.
 	asyncCommit() string
+	// slotLocks returns how dispatchers agree on slots (slots.go), or
+	// nil where the engine has no locks that outlive a transaction.
+	slotLocks() slotLocks
 	// rejectsData reports whether err is the engine refusing a value (bad
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.

@@ -273,3 +273,69 @@ func (postgresDialect) notifyCommitted(ctx context.Context, pool *sql.DB, t tabl
 	_, err := pool.ExecContext(ctx, `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, '')`, t.name)
 	return err
 }
+
+// slotLocks: session advisory locks, keyed by the records table's oid and
+// the slot number, with key 64 for the shared lock that counts the
+// dispatchers; pg_locks tells who holds what.
+func (postgresDialect) slotLocks() slotLocks { return postgresSlots{} }
+
+// postgresSlots implements slotLocks with advisory locks.
+type postgresSlots struct{}
+
+// slotOf hashes the aggregate as hashtext does for hash partitions; a
+// collision between two aggregates only puts them in one slot.
+func (postgresSlots) slotOf(a string) string {
+	return `(hashtext(` + a + `.aggregate_type || ':' || ` + a + `.aggregate_id) & 63)`
+}
+
+// slotMembers is the key of the shared lock that counts the dispatchers.
+const slotMembers = slotCount
+
+func (postgresSlots) join(ctx context.Context, conn *sql.Conn, t tables) (int64, error) {
+	var ns int64
+	err := conn.QueryRowContext(ctx, `SELECT $1::regclass::oid::int8`, t.records).Scan(&ns)
+	if err == nil {
+		_, err = conn.ExecContext(ctx, `SELECT pg_advisory_lock_shared($1::int8::oid::int4, $2)`, ns, slotMembers)
+	}
+	return ns, err
+}
+
+func (postgresSlots) holders(ctx context.Context, conn *sql.Conn, ns int64) (members int, mine, others uint64, err error) {
+	rows, err := conn.QueryContext(ctx, `SELECT objid::int8, pid = pg_backend_pid() FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::int8::oid
+	AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, ns)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			key  int64
+			self bool
+		)
+		if err := rows.Scan(&key, &self); err != nil {
+			return 0, 0, 0, err
+		}
+		switch {
+		case key == slotMembers:
+			members++
+		case key < 0 || key >= slotCount:
+		case self:
+			mine |= 1 << key
+		default:
+			others |= 1 << key
+		}
+	}
+	return members, mine, others, rows.Err()
+}
+
+func (postgresSlots) lock(ctx context.Context, conn *sql.Conn, ns int64, slot int) (bool, error) {
+	var ok bool
+	err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1::int8::oid::int4, $2)`, ns, slot).Scan(&ok)
+	return ok, err
+}
+
+func (postgresSlots) unlock(ctx context.Context, conn *sql.Conn, ns int64, slot int) error {
+	_, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1::int8::oid::int4, $2)`, ns, slot)
+	return err
+}

@@ -107,6 +107,10 @@ func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { r
 // rejectsData: SQLite stores any text it is given; encode has checked it.
 func (sqliteDialect) rejectsData(error) bool { return false }
 
+// slotLocks: one writer at a time drains an SQLite database; there is
+// nothing to share.
+func (sqliteDialect) slotLocks() slotLocks { return nil }
+
 // claimTx runs fn inside immediate, so that the window's read and the
 // lease see one state of the database.
 func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {

@@ -104,10 +104,12 @@ type Dispatcher struct {
 	listen         bool
 
 	wake      chan struct{}
-	inProcess atomic.Bool  // Run is woken by in-process writes
-	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
-	runsUntil atomic.Int64 // unix nanoseconds until which claims take runs only
-	accepted  acceptedSeqs // the last events of aggregates this dispatcher delivered
+	inProcess atomic.Bool   // Run is woken by in-process writes
+	lastPark  atomic.Int64  // unix nanoseconds of the last parkBlocked
+	runsUntil atomic.Int64  // unix nanoseconds until which claims take runs only
+	accepted  acceptedSeqs  // the last events of aggregates this dispatcher delivered
+	slots     atomic.Uint64 // the slots this dispatcher holds (slots.go)
+	holding   atomic.Bool   // a Run of this dispatcher keeps its slots
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -313,11 +315,11 @@ type dispatched struct {
 
 // dispatch claims, publishes and settles one batch.
 func (d *Dispatcher) dispatch(ctx context.Context) (dispatched, error) {
-	batchID, rows, more, err := d.claim(ctx)
+	batchID, rows, more, heldBack, err := d.claim(ctx)
 	if err != nil {
 		return dispatched{}, err
 	}
-	if len(rows) < d.batchSize {
+	if heldBack && len(rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
 		defer d.parkBlocked(context.WithoutCancel(ctx))
 	}

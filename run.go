@@ -46,6 +46,7 @@ const followUp = 20 * time.Millisecond
 func (d *Dispatcher) Run(ctx context.Context) error {
 	listenCtx, stopListening := context.WithCancel(ctx)
 	defer stopListening()
+	go d.holdSlots(listenCtx)
 	if d.listen {
 		go d.listenLoop(listenCtx)
 	} else {

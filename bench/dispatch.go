@@ -25,7 +25,7 @@ import (
 // pending events by
 //
 //   - the outbox dispatcher: 1 and 4 dispatchers, each with a *gorm.DB of
-//     its own, calling DispatchOnce in a loop, batch sizes 100 and 1,000,
+//     its own, each in Dispatcher.Run, batch sizes 100 and 1,000,
 //     per-aggregate ordering on (the library has no way to turn it off);
 //   - a raw-SQL loop on the same table and index: claim with FOR UPDATE
 //     SKIP LOCKED in index order (next_attempt_at, id) and lease, then
@@ -47,7 +47,8 @@ func runDispatch(ctx context.Context, e *env, c config, r *report) error {
 				if c.want("outbox") {
 					g = append(g, drainSpec{"outbox", cfg, "dispatch_outbox_" + suffix, func() (drainResult, error) {
 						return pgDrain(ctx, e, c, "outbox", func(ctx context.Context, s *schema) (drainResult, error) {
-							return drainOutbox(ctx, func() (*gorm.DB, error) { return s.gormDB(2) }, n, batch, c.backlog)
+							// Three connections: claims, the listener, the slot locks.
+							return drainOutbox(ctx, func() (*gorm.DB, error) { return s.gormDB(3) }, n, batch, c.backlog)
 						})
 					}})
 				}
@@ -454,9 +455,20 @@ VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)`)
 var quietLogger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
 // drainOutbox drains the backlog with dispatchers outbox dispatchers, each
-// on a *gorm.DB of its own from open, calling DispatchOnce in a loop.
+// on a *gorm.DB of its own from open, each in Run; the clock stops when
+// the last Run returns after its publisher saw the last of n events.
 func drainOutbox(ctx context.Context, open func() (*gorm.DB, error), dispatchers, batch, n int) (drainResult, error) {
-	noop := outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil })
+	ctx, cancel := context.WithTimeout(ctx, drainTimeout(n))
+	defer cancel()
+	running, stop := context.WithCancel(ctx)
+	defer stop()
+	var published atomic.Int64
+	counter := outbox.PublisherFunc(func(_ context.Context, b outbox.Batch) error {
+		if published.Add(int64(len(b.Messages))) >= int64(n) {
+			stop()
+		}
+		return nil
+	})
 	ds := make([]*outbox.Dispatcher, dispatchers)
 	for i := range ds {
 		db, err := open()
@@ -464,13 +476,31 @@ func drainOutbox(ctx context.Context, open func() (*gorm.DB, error), dispatchers
 			return drainResult{}, err
 		}
 		defer closeGorm(db)
-		if ds[i], err = outbox.NewDispatcher(db, noop, outbox.WithBatchSize(batch), outbox.WithLogger(quietLogger)); err != nil {
+		if ds[i], err = outbox.NewDispatcher(db, counter, outbox.WithBatchSize(batch), outbox.WithLogger(quietLogger)); err != nil {
 			return drainResult{}, err
 		}
 	}
-	return drainLoop(ctx, dispatchers, n, func(ctx context.Context, w int) (int, error) {
-		return ds[w].DispatchOnce(ctx)
-	})
+	// Run, as a service runs its dispatchers: side by side they share the
+	// backlog's slots. Each Run returns once the batch it has in flight
+	// is settled, so the clock stops when the last event is delivered.
+	start := time.Now()
+	var wg sync.WaitGroup
+	for _, d := range ds {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = d.Run(running) // returns nil; it logs its errors
+		}()
+	}
+	wg.Wait()
+	res := drainResult{done: int(min(published.Load(), int64(n))), elapsed: time.Since(start)}
+	if res.done < n {
+		if err := ctx.Err(); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			return drainResult{}, err
+		}
+		res.timedOut = true
+	}
+	return res, nil
 }
 
 // rawDialect is the two statements of the raw-SQL loop on one engine.
