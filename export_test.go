@@ -6,3 +6,6 @@ import "math"
 // poll intervals after finding some of the oldest due events held back,
 // so that tests can specify run claims directly.
 func ClaimByRuns(d *Dispatcher) { d.runsUntil.Store(math.MaxInt64) }
+
+// HeldSlots returns the slots d holds, as a bit mask (see slots.go).
+func HeldSlots(d *Dispatcher) uint64 { return d.slots.Load() }

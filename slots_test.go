@@ -1,0 +1,181 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"math/bits"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
+)
+
+// runner is a Run of a dispatcher that a test can stop.
+type runner struct {
+	d    *outbox.Dispatcher
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+// startRuns starts n dispatchers' Run on b's table, each on a pool of its
+// own, and stops those still running when the test ends.
+func startRuns(t *testing.T, b bundle, n int, p outbox.Publisher, opts ...outbox.DispatcherOption) []*runner {
+	t.Helper()
+	rs := make([]*runner, n)
+	for i := range rs {
+		db := outboxtest.Reopen(t, b.info, nil)
+		ctx, cancel := context.WithCancel(context.Background())
+		r := &runner{d: newDispatcher(t, db, p, opts...), stop: cancel, done: make(chan struct{})}
+		go func() {
+			defer close(r.done)
+			mustNilNow(t, r.d.Run(ctx))
+		}()
+		rs[i] = r
+	}
+	t.Cleanup(func() {
+		for _, r := range rs {
+			r.stop()
+			<-r.done
+		}
+	})
+	return rs
+}
+
+// slotsSplit reports whether the runners hold disjoint sets of slots that
+// cover all 64, each at most its share.
+func slotsSplit(rs []*runner) bool {
+	var all uint64
+	share := (64 + len(rs) - 1) / len(rs)
+	for _, r := range rs {
+		s := outbox.HeldSlots(r.d)
+		if all&s != 0 || bits.OnesCount64(s) > share {
+			return false
+		}
+		all |= s
+	}
+	return all == ^uint64(0)
+}
+
+// slotLocks counts the advisory locks that dispatchers hold on b's table.
+func slotLocks(t *testing.T, b bundle) int64 {
+	t.Helper()
+	var n int64
+	mustNil(t, b.db.Raw(`SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+		AND classid = 'outbox_records'::regclass::oid`).Scan(&n).Error)
+	return n
+}
+
+func TestPostgresDispatchersRunningSideBySideSplitTheSlots(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	rs := startRuns(t, b, 3, &recorder{})
+	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "three dispatchers to split the 64 slots")
+
+	rs[2].stop()
+	<-rs[2].done
+	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs[:2]) }, "the two left to take the slots of the one that stopped")
+
+	for _, r := range rs[:2] {
+		r.stop()
+		<-r.done
+	}
+	outboxtest.WaitUntil(t, func() bool { return slotLocks(t, b) == 0 }, "the slot locks to be released")
+}
+
+// A dispatcher that loses the connection its slot locks live on claims
+// from all slots meanwhile, and takes its share again on a new one.
+func TestPostgresDispatcherTakesItsSlotsBackAfterLosingTheirConnection(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	rs := startRuns(t, b, 2, &recorder{}, outbox.WithPollInterval(20*time.Millisecond))
+	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "two dispatchers to split the slots")
+
+	var victim int64
+	mustNil(t, b.db.Raw(`SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+		AND classid = 'outbox_records'::regclass::oid AND objid = 0`).Scan(&victim).Error)
+	mustNil(t, b.db.Exec(`SELECT pg_terminate_backend(?)`, victim).Error)
+	outboxtest.WaitUntil(t, func() bool {
+		var holders struct{ Members, Others int64 }
+		mustNil(t, b.db.Raw(`SELECT count(*) FILTER (WHERE objid = 64) AS members,
+				count(*) FILTER (WHERE objid < 64 AND pid <> ?) AS others
+			FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+				AND classid = 'outbox_records'::regclass::oid`, victim).Scan(&holders).Error)
+		return holders.Members == 2 && holders.Others == 64 && slotsSplit(rs)
+	}, "the two dispatchers to split the slots again, on a new connection")
+}
+
+// A Run whose pool cannot spare a connection for the slot locks holds no
+// slots, and delivers all the same.
+func TestPostgresRunOnAPoolTooSmallForSlotLocksDeliversEverything(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	publishN(t, b.db, "a", 5)
+	db := outboxtest.Reopen(t, b.info, nil)
+	pool, err := db.DB()
+	mustNil(t, err)
+	pool.SetMaxOpenConns(2) // claims and the listener
+	rec := &recorder{}
+	d := newDispatcher(t, db, rec, outbox.WithPollInterval(10*time.Millisecond))
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		mustNilNow(t, d.Run(ctx))
+	}()
+	defer func() {
+		cancel()
+		wg.Wait()
+	}()
+	outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
+	if s := outbox.HeldSlots(d); s != 0 {
+		t.Fatalf("a Run on a pool of two listening connections holds slots %x, want none", s)
+	}
+	if n := slotLocks(t, b); n != 0 {
+		t.Fatalf("%d slot locks held, want none", n)
+	}
+}
+
+// With the slots split, each dispatcher's claim takes the due events of
+// the aggregates in its own slots, and none of the other's.
+func TestPostgresDispatcherClaimsTheEventsOfItsOwnSlots(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	recs := []*recorder{{}, {}}
+	var rs []*runner
+	for _, rec := range recs {
+		// Runs that hold slots but, with no wake-up before an hour, do
+		// not claim: the test claims with DispatchOnce.
+		rs = append(rs, startRuns(t, b, 1, rec, outbox.WithBatchSize(1000),
+			outbox.WithPollInterval(time.Hour), outbox.WithListen(false))...)
+	}
+	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "two dispatchers to split the slots")
+	const aggregates, each = 40, 4
+	for range each {
+		for a := range aggregates {
+			publishN(t, b.db, fmt.Sprintf("a%d", a), 1)
+		}
+	}
+
+	claimed := make([]map[string]int, 2)
+	for i, r := range rs {
+		dispatch(t, r.d)
+		claimed[i] = map[string]int{}
+		for _, m := range recs[i].accepted {
+			claimed[i][m.AggregateID]++
+		}
+	}
+	for a := range claimed[0] {
+		if claimed[1][a] > 0 {
+			t.Errorf("aggregate %s claimed by both dispatchers", a)
+		}
+	}
+	for i, c := range claimed {
+		if len(c) == 0 || len(c) == aggregates {
+			t.Errorf("dispatcher %d claimed the events of %d aggregates of %d, want its share", i, len(c), aggregates)
+		}
+		for a, n := range c {
+			if n != each {
+				t.Errorf("dispatcher %d claimed %d events of %s, want all %d", i, n, a, each)
+			}
+		}
+	}
+}
