@@ -57,11 +57,14 @@ import (
 // delivered (one lookup per aggregate, not per row, all in one
 // statement). A dispatcher thus takes its backlog in the order it was
 // written, which keeps a batch on a few neighbouring pages; a run in an
-// interleaved backlog is spread over as many pages as it has rows. When
-// the window holds rows back (other dispatchers hold their aggregates, or
-// their heads wait for a retry), the claim tops the batch up with runs, and
-// if runs found any, the dispatcher claims by runs alone for the next ten
-// poll intervals (runsPolls), then looks at the oldest rows again.
+// interleaved backlog is spread over as many pages as it has rows. A
+// dispatcher that holds some of the slots (slots.go) reads the window of
+// its own slots only, and the window of all when its own have nothing due.
+// When the window holds rows back (other dispatchers hold their
+// aggregates, or their heads wait for a retry or come after the window),
+// the claim tops the batch up with runs, and if runs found any, a
+// dispatcher without slots claims by runs alone for the next ten poll
+// intervals (runsPolls), then looks at the oldest rows again.
 //
 // The oldest-first claim is three statements in one short transaction:
 // the window's read, which locks its rows; the lookup; the lease of the
@@ -458,10 +461,15 @@ func sortByID(rows []claimed) []claimed {
 // time, behind it: a window full of them would hold no row a claim can
 // take.
 //
-// It looks at the same window of due rows as a claim, and runs at most once
-// per poll interval per dispatcher, after a batch that was not full: in
-// normal operation it finds nothing, and costs one statement. It is an
-// optimisation, so it never fails a dispatch: an error is logged.
+// It looks at the window of due rows that a run claim looks at
+// (scanWindow), in all slots, and runs at most once per poll interval per
+// dispatcher, after a claim that was not full and stepped over due rows it
+// could not take (a claim that took every due row it saw leaves none
+// behind a blocker): in normal operation it finds nothing, and costs one
+// statement, which finds each aggregate's head by walking its index
+// entries (up to a second per call in a drain of 200k events by four
+// dispatchers). It is an optimisation, so it never fails a dispatch: an
+// error is logged.
 func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	now := time.Now()
 	last := d.lastPark.Load()

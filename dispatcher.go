@@ -58,14 +58,18 @@ const (
 // nothing that was accepted after its first delivery.)
 //
 // A claim takes the oldest due messages that keep each aggregate's order,
-// so that a batch is what was written together. When some of those are
-// held back (other dispatchers hold their aggregates, or an earlier
-// message waits for a retry), it takes runs for ten poll intervals: from
-// the aggregates whose next undelivered message has waited longest, each
-// one's consecutive due messages in sequence order, so that dispatchers
-// sharing a backlog split it by aggregate; an aggregate with a deep
-// backlog may then fill a batch on its own, delaying a fresher aggregate
-// by at most that batch.
+// so that a batch is what was written together. On PostgreSQL, dispatchers
+// that [Dispatcher.Run] side by side split the aggregates between them
+// (64 slots by a hash of the aggregate, held as advisory locks; see Run),
+// and each takes the oldest messages of its own share first, and of all
+// aggregates when its share has none due. When some of the oldest are held
+// back (another dispatcher holds their aggregates, or an earlier message
+// waits for a retry), a claim tops its batch up with runs: from the
+// aggregates whose next undelivered message has waited longest, each one's
+// consecutive due messages in sequence order; a dispatcher without a share
+// of its own then takes runs alone for ten poll intervals. An aggregate
+// with a deep backlog may fill a batch of runs on its own, delaying a
+// fresher aggregate by at most that batch.
 //
 // On PostgreSQL, a claim's lease and a settle commit with
 // synchronous_commit off, in their own transactions only: they do not wait

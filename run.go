@@ -15,8 +15,10 @@ var errNoListen = errors.New("outbox: notifications not supported here")
 // holds one connection of the *gorm.DB's pool for the lifetime of Run and
 // reconnects by itself when it drops; the poll interval stays as a
 // fallback. Give the pool at least one connection more than the Runs that
-// listen on it; a pool limited to one connection is never listened on,
-// since listening would hold the connection every claim needs. On SQLite,
+// listen on it (two more on PostgreSQL, where each Run also holds one for
+// its slot locks; see Run); a pool limited to one connection is never
+// listened on, since listening would hold the connection every claim
+// needs. On SQLite,
 // or with a driver other than pgx, Run is woken in-process instead, by
 // writes through the plugin registered on the same *gorm.DB.
 func WithListen(enabled bool) DispatcherOption {
@@ -38,6 +40,20 @@ const followUp = 20 * time.Millisecond
 // interval (see [WithPollInterval]), whichever comes first. Bursts of
 // wake-ups coalesce: a thousand commits during one batch cause one more
 // claim, not a thousand.
+//
+// On PostgreSQL, Runs on one table (in any number of processes) split its
+// aggregates between them: 64 slots by a hash of the aggregate, each Run
+// holding its share (64 divided by the number of Runs, rounded up) as
+// session advisory locks, keyed by the table's oid and the slot, on a
+// connection of the pool that it holds for its lifetime, and rebalanced
+// every 250ms as Runs come and go. Each Run's claims take the oldest due
+// events of its own slots first, so that side by side they keep the
+// throughput of one dispatcher draining its backlog in order, instead of
+// holding back each other's aggregates; they take from all slots when
+// their own have nothing due. Order never rests on the slots: every claim
+// checks it. A Run whose pool has a limit below three connections (two
+// with WithListen(false)), or is not a *sql.DB, holds no slots and claims
+// from all of them, as DispatchOnce does.
 //
 // Errors (a lost connection, a server restart) are logged and retried at
 // the poll interval: Run recovers by itself. When ctx ends, the batch in
