@@ -319,16 +319,26 @@ func leaseArgs(dl dialect, a claimArgs) []any {
 	return []any{a.batchID, end, end, dl.timeArg(a.now)}
 }
 
+// claimResult is what one claim took.
+type claimResult struct {
+	batchID string
+	rows    []claimed // oldest first
+	// more reports whether due rows may remain that the claim did not
+	// take for want of room: then the dispatcher should claim again at
+	// once rather than wait for a wake-up.
+	more bool
+	// heldBack reports whether the claim may have stepped over due rows
+	// that it could not take (see parkBlocked), in the window of slots
+	// (0: of all slots).
+	heldBack bool
+	slots    uint64
+}
+
 // claim leases up to the batch size of due rows in short transactions
-// (see above), and returns them oldest first under a fresh batch id. A
-// dispatcher that holds some of the slots but not all (slots.go) reads the
-// window of its own slots, and the window of all of them only when its own
-// have nothing due. more reports whether due rows may remain that the
-// claim did not take for want of room: then the dispatcher should claim
-// again at once rather than wait for a wake-up. heldBack reports whether
-// the claim may have stepped over due rows it could not take (see
-// parkBlocked).
-func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed, more, heldBack bool, err error) {
+// (see above), under a fresh batch id. A dispatcher that holds some of the
+// slots but not all (slots.go) reads the window of its own slots, and the
+// window of all of them only when its own have nothing due.
+func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	a := claimArgs{
 		now:      now,
@@ -336,29 +346,34 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
 	}
-	slots, seen := d.ownSlots(), 0
-	if slots != 0 {
-		if rows, seen, err = d.claimOldest(ctx, a, slots); err != nil {
-			return "", nil, false, false, fmt.Errorf("outbox: claim: %w", err)
+	r := claimResult{batchID: a.batchID, slots: d.ownSlots()}
+	var (
+		seen int
+		err  error
+	)
+	if r.slots != 0 {
+		if r.rows, seen, err = d.claimOldest(ctx, a, r.slots); err != nil {
+			return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 		}
 	}
 	if seen == 0 {
-		slots = 0
+		r.slots = 0
 		if now.UnixNano() < d.runsUntil.Load() {
-			rows, err = d.claimRuns(ctx, a)
-			if err != nil {
-				return "", nil, false, false, err
+			if r.rows, err = d.claimRuns(ctx, a); err != nil {
+				return claimResult{}, err
 			}
-			return a.batchID, sortByID(rows), len(rows) == a.limit, true, nil
+			r.rows, r.more, r.heldBack = sortByID(r.rows), len(r.rows) == a.limit, true
+			return r, nil
 		}
-		if rows, seen, err = d.claimOldest(ctx, a, 0); err != nil {
-			return "", nil, false, false, fmt.Errorf("outbox: claim: %w", err)
+		if r.rows, seen, err = d.claimOldest(ctx, a, 0); err != nil {
+			return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 		}
 	}
-	full := seen == a.limit && len(rows) > 0
-	if seen == 0 || len(rows) == seen {
+	r.more = seen == a.limit && len(r.rows) > 0
+	if seen == 0 || len(r.rows) == seen {
 		// Nothing due, or nothing held back.
-		return a.batchID, sortByID(rows), full, false, nil
+		r.rows = sortByID(r.rows)
+		return r, nil
 	}
 	// The window held back some of its rows: other dispatchers hold their
 	// aggregates, or their heads wait for a retry, or come after the
@@ -366,19 +381,22 @@ func (d *Dispatcher) claim(ctx context.Context) (batchID string, rows []claimed,
 	// anything, claim by runs alone for a while, unless this dispatcher
 	// has slots of its own to look at: a window that stays held back
 	// would be read again, and topped up again, at every claim.
-	oldest := len(rows)
+	r.heldBack = true
+	oldest := len(r.rows)
 	a.limit -= oldest
 	runs, err := d.claimRuns(ctx, a)
 	switch {
 	case err != nil && oldest == 0:
-		return "", nil, false, false, err
+		return claimResult{}, err
 	case err != nil:
 		d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took", "batch_id", a.batchID, "error", err)
-		return a.batchID, sortByID(rows), true, true, nil
-	case len(runs) > 0 && slots == 0:
+		r.rows, r.more = sortByID(r.rows), true
+		return r, nil
+	case len(runs) > 0 && r.slots == 0:
 		d.runsUntil.Store(now.Add(runsPolls * d.pollInterval).UnixNano())
 	}
-	return a.batchID, sortByID(append(rows, runs...)), full || len(runs) == a.limit, true, nil
+	r.rows, r.more = sortByID(append(r.rows, runs...)), r.more || len(runs) == a.limit
+	return r, nil
 }
 
 // runsPolls is for how many poll intervals a dispatcher claims by runs
@@ -470,7 +488,7 @@ func sortByID(rows []claimed) []claimed {
 // entries (up to a second per call in a drain of 200k events by four
 // dispatchers). It is an optimisation, so it never fails a dispatch: an
 // error is logged.
-func (d *Dispatcher) parkBlocked(ctx context.Context) {
+func (d *Dispatcher) parkBlocked(ctx context.Context, slots uint64) {
 	now := time.Now()
 	last := d.lastPark.Load()
 	if last != 0 && now.Sub(time.Unix(0, last)) < d.pollInterval {
@@ -479,7 +497,7 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) {
 	if !d.lastPark.CompareAndSwap(last, now.UnixNano()) {
 		return
 	}
-	blockers, err := d.blockers(ctx, now)
+	blockers, err := d.blockers(ctx, now, slots)
 	if err == nil {
 		err = d.park(ctx, blockers, now)
 	}
@@ -512,13 +530,19 @@ type blocker struct {
 // the heads' condition, which statistics taken when the backlog was due
 // misjudge, and scan every row that is not due (seen: a quarter of a
 // second per call on a backlog of 200,000).
-func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
+func (d *Dispatcher) blockers(ctx context.Context, now time.Time, slots uint64) ([]blocker, error) {
 	t := d.t
 	ts := d.d.timeArg(now)
+	inSlots, args := "", []any{ts}
+	if slots != 0 {
+		inSlots = ` AND (?::int8 >> ` + d.d.slotLocks().slotOf("r") + `) & 1 = 1`
+		args = append(args, int64(slots))
+	}
+	args = append(args, scanWindow(d.batchSize), ts, d.d.timeArg(now.Add(d.lease)))
 	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
 	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
 		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM `+t.records+` r
-		WHERE `+dueSQL("r")+`
+		WHERE `+dueSQL("r")+inSlots+`
 		ORDER BY r.next_attempt_at, r.id
 		LIMIT ?
 	) c
@@ -540,8 +564,7 @@ func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, er
 )
 SELECT bt, ba, hs, state, CASE WHEN state = 'failed' THEN ? ELSE (SELECT h.next_attempt_at FROM `+t.records+` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs) END
-FROM waits WHERE state IS NOT NULL`),
-		ts, scanWindow(d.batchSize), ts, d.d.timeArg(now.Add(d.lease)))
+FROM waits WHERE state IS NOT NULL`), args...)
 	if err != nil {
 		return nil, err
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 )
 
@@ -276,14 +277,15 @@ func (postgresDialect) notifyCommitted(ctx context.Context, pool *sql.DB, t tabl
 
 // slotLocks: session advisory locks, keyed by the records table's oid and
 // the slot number, with key 64 for the shared lock that counts the
-// dispatchers; pg_locks tells who holds what.
+// dispatchers; pg_locks tells who holds what, and pg_stat_activity which
+// sessions have been silent.
 func (postgresDialect) slotLocks() slotLocks { return postgresSlots{} }
 
 // postgresSlots implements slotLocks with advisory locks.
 type postgresSlots struct{}
 
-// slotOf hashes the aggregate as hashtext does for hash partitions; a
-// collision between two aggregates only puts them in one slot.
+// slotOf hashes the aggregate with hashtext; a collision between two
+// aggregates only puts them in one slot.
 func (postgresSlots) slotOf(a string) string {
 	return `(hashtext(` + a + `.aggregate_type || ':' || ` + a + `.aggregate_id) & 63)`
 }
@@ -291,30 +293,73 @@ func (postgresSlots) slotOf(a string) string {
 // slotMembers is the key of the shared lock that counts the dispatchers.
 const slotMembers = slotCount
 
-func (postgresSlots) join(ctx context.Context, conn *sql.Conn, t tables) (int64, error) {
-	var ns int64
-	err := conn.QueryRowContext(ctx, `SELECT $1::regclass::oid::int8`, t.records).Scan(&ns)
-	if err == nil {
-		_, err = conn.ExecContext(ctx, `SELECT pg_advisory_lock_shared($1::int8::oid::int4, $2)`, ns, slotMembers)
+// open connects with pgx, from the DSN that db's pool was opened with:
+// slots need a *gorm.DB opened by gorm.io/driver/postgres from a DSN (not
+// from a pool of the caller's, whose connections it cannot open more of).
+// A pooler that hands each statement to another server session
+// (PgBouncer's transaction pooling) cannot keep session locks, and is
+// refused.
+func (postgresSlots) open(ctx context.Context, db *gorm.DB, t tables) (slotSession, error) {
+	var cfg *postgres.Config
+	switch dl := db.Dialector.(type) {
+	case *postgres.Dialector:
+		cfg = dl.Config
+	case postgres.Dialector:
+		cfg = dl.Config
 	}
-	return ns, err
+	if cfg == nil || cfg.Conn != nil || cfg.DSN == "" || (cfg.DriverName != "" && cfg.DriverName != "pgx") {
+		return nil, fmt.Errorf("%w: the *gorm.DB was not opened from a DSN by the pgx driver", errNoSlots)
+	}
+	conn, err := pgx.Connect(ctx, cfg.DSN)
+	if err != nil {
+		return nil, err
+	}
+	s := &postgresSession{conn: conn}
+	var pid1, pid2 int64
+	err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid1)
+	if err == nil {
+		err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid2)
+	}
+	if err == nil && pid1 != pid2 {
+		err = fmt.Errorf("%w: statements of one connection run in different server sessions (a pooler in transaction mode)", errNoSlots)
+	}
+	if err == nil {
+		err = conn.QueryRow(ctx, `SELECT $1::regclass::oid::int8`, t.records).Scan(&s.ns)
+	}
+	if err == nil {
+		_, err = conn.Exec(ctx, `SELECT pg_advisory_lock_shared($1::int8::oid::int4, $2)`, s.ns, slotMembers)
+	}
+	if err != nil {
+		s.close()
+		return nil, err
+	}
+	return s, nil
 }
 
-func (postgresSlots) holders(ctx context.Context, conn *sql.Conn, ns int64) (members int, mine, others uint64, err error) {
-	rows, err := conn.QueryContext(ctx, `SELECT objid::int8, pid = pg_backend_pid() FROM pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::int8::oid
-	AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, ns)
+// postgresSession is a pgx connection that holds the slot locks of the
+// table with oid ns.
+type postgresSession struct {
+	conn *pgx.Conn
+	ns   int64
+}
+
+func (s *postgresSession) holders(ctx context.Context, silent time.Duration) (members int, mine, others, stale uint64, err error) {
+	rows, err := s.conn.Query(ctx, `SELECT l.objid::int8, l.pid = pg_backend_pid(),
+	coalesce(a.state = 'idle' AND a.state_change < now() - $2 * interval '1 microsecond', false)
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::int8::oid
+	AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())`, s.ns, silent.Microseconds())
 	if err != nil {
-		return 0, 0, 0, err
+		return 0, 0, 0, 0, err
 	}
 	defer rows.Close()
 	for rows.Next() {
 		var (
-			key  int64
-			self bool
+			key         int64
+			self, quiet bool
 		)
-		if err := rows.Scan(&key, &self); err != nil {
-			return 0, 0, 0, err
+		if err := rows.Scan(&key, &self, &quiet); err != nil {
+			return 0, 0, 0, 0, err
 		}
 		switch {
 		case key == slotMembers:
@@ -324,18 +369,28 @@ WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::int8:
 			mine |= 1 << key
 		default:
 			others |= 1 << key
+			if quiet {
+				stale |= 1 << key
+			}
 		}
 	}
-	return members, mine, others, rows.Err()
+	return members, mine, others, stale, rows.Err()
 }
 
-func (postgresSlots) lock(ctx context.Context, conn *sql.Conn, ns int64, slot int) (bool, error) {
+func (s *postgresSession) lock(ctx context.Context, slot int) (bool, error) {
 	var ok bool
-	err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1::int8::oid::int4, $2)`, ns, slot).Scan(&ok)
+	err := s.conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1::int8::oid::int4, $2)`, s.ns, slot).Scan(&ok)
 	return ok, err
 }
 
-func (postgresSlots) unlock(ctx context.Context, conn *sql.Conn, ns int64, slot int) error {
-	_, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1::int8::oid::int4, $2)`, ns, slot)
+func (s *postgresSession) unlock(ctx context.Context, slot int) error {
+	_, err := s.conn.Exec(ctx, `SELECT pg_advisory_unlock($1::int8::oid::int4, $2)`, s.ns, slot)
 	return err
+}
+
+// close closes the connection; the server then ends the session's locks.
+func (s *postgresSession) close() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = s.conn.Close(ctx)
 }

@@ -107,13 +107,15 @@ type Dispatcher struct {
 	log            *slog.Logger
 	listen         bool
 
-	wake      chan struct{}
-	inProcess atomic.Bool   // Run is woken by in-process writes
-	lastPark  atomic.Int64  // unix nanoseconds of the last parkBlocked
-	runsUntil atomic.Int64  // unix nanoseconds until which claims take runs only
-	accepted  acceptedSeqs  // the last events of aggregates this dispatcher delivered
-	slots     atomic.Uint64 // the slots this dispatcher holds (slots.go)
-	holding   atomic.Bool   // a Run of this dispatcher keeps its slots
+	wake        chan struct{}
+	inProcess   atomic.Bool   // Run is woken by in-process writes
+	lastPark    atomic.Int64  // unix nanoseconds of the last parkBlocked
+	runsUntil   atomic.Int64  // unix nanoseconds until which claims take runs only
+	accepted    acceptedSeqs  // the last events of aggregates this dispatcher delivered
+	slots       atomic.Uint64 // the slots this dispatcher holds (slots.go)
+	staleSlots  atomic.Uint64 // slots of silent dispatchers, claimed too
+	holding     atomic.Bool   // a Run of this dispatcher keeps its slots
+	dispatching atomic.Int64  // unix nanoseconds when the dispatch in progress began, or 0
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -319,13 +321,16 @@ type dispatched struct {
 
 // dispatch claims, publishes and settles one batch.
 func (d *Dispatcher) dispatch(ctx context.Context) (dispatched, error) {
-	batchID, rows, more, heldBack, err := d.claim(ctx)
+	d.dispatching.Store(time.Now().UnixNano())
+	defer d.dispatching.Store(0)
+	c, err := d.claim(ctx)
 	if err != nil {
 		return dispatched{}, err
 	}
-	if heldBack && len(rows) < d.batchSize {
+	batchID, rows, more := c.batchID, c.rows, c.more
+	if c.heldBack && len(rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
-		defer d.parkBlocked(context.WithoutCancel(ctx))
+		defer d.parkBlocked(context.WithoutCancel(ctx), c.slots)
 	}
 	if len(rows) == 0 {
 		return dispatched{}, nil

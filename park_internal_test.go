@@ -60,7 +60,7 @@ func TestParkLeavesTheRowsOfABlockerThatCameBackMeanwhile(t *testing.T) {
 		ctx := context.Background()
 		db, d := parkSetup(t, e, 3)
 		now := time.Now() // one time for the read and the write, as parkBlocked does
-		blockers, err := d.blockers(ctx, now)
+		blockers, err := d.blockers(ctx, now, 0)
 		if err != nil || len(blockers) != 1 || blockers[0].sequence != 1 {
 			t.Fatalf("blockers = %+v, %v; want the dead letter, sequence 1", blockers, err)
 		}
@@ -92,7 +92,7 @@ func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T)
 		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, d.d.timeArg(time.Now().Add(-time.Hour)))
 		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, d.d.timeArg(time.Now().Add(-time.Second)))
 
-		d.parkBlocked(ctx)
+		d.parkBlocked(ctx, 0)
 		parked := 0
 		for _, r := range outboxtest.Records(t, db, DefaultTable) {
 			if r.AggregateSequence > 1 && r.NextAttemptAt.After(time.Now().Add(30*time.Minute)) {
@@ -113,7 +113,7 @@ func TestRetryFailedReleasesTheRowsParkedBehindItsDeadLetter(t *testing.T) {
 		ctx := context.Background()
 		db, d := parkSetup(t, e, 3)
 		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1 WHERE aggregate_sequence = 2`)
-		d.parkBlocked(ctx)
+		d.parkBlocked(ctx, 0)
 		for _, r := range outboxtest.Records(t, db, DefaultTable)[1:] {
 			if !r.NextAttemptAt.After(time.Now().Add(30 * time.Minute)) {
 				t.Fatalf("#%d (%s) not parked behind the dead letter: next attempt %v", r.AggregateSequence, r.DeliveryState, r.NextAttemptAt)
@@ -164,7 +164,7 @@ func TestParkLeavesTheRowsBehindADueHeadInTheWindow(t *testing.T) {
 		_, d := parkSetup(t, e, 3)
 		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
 		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
-		if blockers, err := d.blockers(context.Background(), time.Now()); err != nil || len(blockers) != 0 {
+		if blockers, err := d.blockers(context.Background(), time.Now(), 0); err != nil || len(blockers) != 0 {
 			t.Fatalf("blockers = %+v, %v; want none", blockers, err)
 		}
 	})

@@ -15,10 +15,8 @@ var errNoListen = errors.New("outbox: notifications not supported here")
 // holds one connection of the *gorm.DB's pool for the lifetime of Run and
 // reconnects by itself when it drops; the poll interval stays as a
 // fallback. Give the pool at least one connection more than the Runs that
-// listen on it (two more on PostgreSQL, where each Run also holds one for
-// its slot locks; see Run); a pool limited to one connection is never
-// listened on, since listening would hold the connection every claim
-// needs. On SQLite,
+// listen on it; a pool limited to one connection is never listened on,
+// since listening would hold the connection every claim needs. On SQLite,
 // or with a driver other than pgx, Run is woken in-process instead, by
 // writes through the plugin registered on the same *gorm.DB.
 func WithListen(enabled bool) DispatcherOption {
@@ -44,16 +42,24 @@ const followUp = 20 * time.Millisecond
 // On PostgreSQL, Runs on one table (in any number of processes) split its
 // aggregates between them: 64 slots by a hash of the aggregate, each Run
 // holding its share (64 divided by the number of Runs, rounded up) as
-// session advisory locks, keyed by the table's oid and the slot, on a
-// connection of the pool that it holds for its lifetime, and rebalanced
-// every 250ms as Runs come and go. Each Run's claims take the oldest due
-// events of its own slots first, so that side by side they keep the
-// throughput of one dispatcher draining its backlog in order, instead of
-// holding back each other's aggregates; they take from all slots when
-// their own have nothing due. Order never rests on the slots: every claim
-// checks it. A Run whose pool has a limit below three connections (two
-// with WithListen(false)), or is not a *sql.DB, holds no slots and claims
-// from all of them, as DispatchOnce does.
+// session advisory locks, keyed by the table's oid and the slot, and
+// rebalanced every 250ms as Runs come and go. Each Run's claims take the
+// oldest due events of its own slots first, so that side by side they
+// keep the throughput of one dispatcher draining its backlog in order,
+// instead of holding back each other's aggregates; they take from all
+// slots when their own have nothing due. Order never rests on the slots:
+// every claim checks it. A Run whose dispatch has not come back for a
+// lease gives its slots back, and the slots of a Run whose lock
+// connection has been silent for a lease (a frozen process) are claimed by
+// the others as their own. The locks live on a connection that Run opens
+// for itself, outside the *gorm.DB's pool, from the DSN the *gorm.DB was
+// opened with, and closes before it returns. A *gorm.DB opened on a pool
+// of the caller's (postgres.Config.Conn) or through another driver than
+// pgx, or a pooler in transaction mode between the dispatcher and the
+// server, allows no slots: Run then claims from all of them, as
+// DispatchOnce does on a dispatcher that is not running. Sessions of
+// another role, unless it has pg_read_all_stats, cannot tell whether the
+// Runs of that role are silent.
 //
 // Errors (a lost connection, a server restart) are logged and retried at
 // the poll interval: Run recovers by itself. When ctx ends, the batch in
@@ -61,8 +67,15 @@ const followUp = 20 * time.Millisecond
 // claimed.
 func (d *Dispatcher) Run(ctx context.Context) error {
 	listenCtx, stopListening := context.WithCancel(ctx)
-	defer stopListening()
-	go d.holdSlots(listenCtx)
+	slotsHeld := make(chan struct{})
+	defer func() {
+		stopListening()
+		<-slotsHeld // the slots are released when Run returns
+	}()
+	go func() {
+		defer close(slotsHeld)
+		d.holdSlots(listenCtx)
+	}()
 	if d.listen {
 		go d.listenLoop(listenCtx)
 	} else {

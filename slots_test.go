@@ -8,6 +8,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"gorm.io/driver/postgres"
+	"gorm.io/gorm"
+
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
@@ -15,6 +19,7 @@ import (
 // runner is a Run of a dispatcher that a test can stop.
 type runner struct {
 	d    *outbox.Dispatcher
+	db   *gorm.DB
 	stop context.CancelFunc
 	done chan struct{}
 }
@@ -27,7 +32,7 @@ func startRuns(t *testing.T, b bundle, n int, p outbox.Publisher, opts ...outbox
 	for i := range rs {
 		db := outboxtest.Reopen(t, b.info, nil)
 		ctx, cancel := context.WithCancel(context.Background())
-		r := &runner{d: newDispatcher(t, db, p, opts...), stop: cancel, done: make(chan struct{})}
+		r := &runner{d: newDispatcher(t, db, p, opts...), db: db, stop: cancel, done: make(chan struct{})}
 		go func() {
 			defer close(r.done)
 			mustNilNow(t, r.d.Run(ctx))
@@ -104,35 +109,92 @@ func TestPostgresDispatcherTakesItsSlotsBackAfterLosingTheirConnection(t *testin
 	}, "the two dispatchers to split the slots again, on a new connection")
 }
 
-// A Run whose pool cannot spare a connection for the slot locks holds no
-// slots, and delivers all the same.
-func TestPostgresRunOnAPoolTooSmallForSlotLocksDeliversEverything(t *testing.T) {
+// The slot locks live on a connection of their own, outside the pool: a
+// Run on a pool of one connection holds slots, and delivers.
+func TestPostgresRunHoldsSlotsOutsideItsPool(t *testing.T) {
 	b := setup(t, outboxtest.Postgres, nil)
 	publishN(t, b.db, "a", 5)
-	db := outboxtest.Reopen(t, b.info, nil)
-	pool, err := db.DB()
+	rec := &recorder{}
+	r := startRuns(t, b, 1, rec, outbox.WithPollInterval(10*time.Millisecond))[0]
+	pool, err := r.db.DB()
 	mustNil(t, err)
-	pool.SetMaxOpenConns(2) // claims and the listener
+	pool.SetMaxOpenConns(1)
+	outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
+	outboxtest.WaitUntil(t, func() bool { return outbox.HeldSlots(r.d) == ^uint64(0) }, "the only dispatcher to hold every slot")
+}
+
+// A *gorm.DB opened on a pool of the caller's gives Run no DSN to open its
+// lock connection from: it holds no slots, and delivers all the same.
+func TestPostgresRunOnACallersPoolHoldsNoSlots(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	publishN(t, b.db, "a", 5)
+	db := openPostgres(t, postgres.Config{Conn: openPool(t, b.info.DSN)}, nil)
 	rec := &recorder{}
 	d := newDispatcher(t, db, rec, outbox.WithPollInterval(10*time.Millisecond))
 	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Add(1)
+	done := make(chan struct{})
 	go func() {
-		defer wg.Done()
+		defer close(done)
 		mustNilNow(t, d.Run(ctx))
 	}()
 	defer func() {
 		cancel()
-		wg.Wait()
+		<-done
 	}()
 	outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
 	if s := outbox.HeldSlots(d); s != 0 {
-		t.Fatalf("a Run on a pool of two listening connections holds slots %x, want none", s)
+		t.Fatalf("a Run on the caller's pool holds slots %x, want none", s)
 	}
 	if n := slotLocks(t, b); n != 0 {
 		t.Fatalf("%d slot locks held, want none", n)
 	}
+}
+
+// The slots of a session that has sent nothing for a lease (a dispatcher
+// whose process is frozen while the server keeps its session) are claimed
+// by the other dispatchers too, until it speaks again.
+func TestPostgresDispatcherClaimsTheSlotsOfASilentOne(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	ctx := context.Background()
+	frozen, err := pgx.Connect(ctx, b.info.DSN)
+	mustNil(t, err)
+	defer frozen.Close(ctx)
+	_, err = frozen.Exec(ctx, `SELECT pg_advisory_lock_shared('outbox_records'::regclass::oid::int4, 64),
+		pg_advisory_lock('outbox_records'::regclass::oid::int4, s) FROM generate_series(0, 31) s`)
+	mustNil(t, err)
+
+	const lease = 500 * time.Millisecond
+	r := startRuns(t, b, 1, &recorder{}, outbox.WithLease(lease), outbox.WithPublishTimeout(lease/5))[0]
+	const upper uint64 = 0xffffffff00000000
+	outboxtest.WaitUntil(t, func() bool { return outbox.HeldSlots(r.d) == upper }, "the dispatcher to take the free half")
+	outboxtest.WaitUntil(t, func() bool { return outbox.ClaimSlots(r.d) == 0 }, "the dispatcher to claim the silent session's half too")
+	_, err = frozen.Exec(ctx, `SELECT 1`)
+	mustNil(t, err)
+	outboxtest.WaitUntil(t, func() bool { return outbox.ClaimSlots(r.d) == upper }, "the dispatcher to leave the half whose holder spoke again")
+}
+
+// A dispatcher whose dispatch has not come back for a lease (here: its
+// pool's only connection is taken) gives its slots back to the others,
+// and takes its share again once it dispatches.
+func TestPostgresStuckDispatcherGivesItsSlotsBack(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	const lease = 500 * time.Millisecond
+	// Not listening: the listener would hold a connection of the pool.
+	rs := startRuns(t, b, 2, &recorder{}, outbox.WithLease(lease), outbox.WithPublishTimeout(lease/5),
+		outbox.WithPollInterval(10*time.Millisecond), outbox.WithListen(false))
+	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "two dispatchers to split the slots")
+
+	pool, err := rs[0].db.DB()
+	mustNil(t, err)
+	pool.SetMaxOpenConns(1)
+	conn, err := pool.Conn(context.Background())
+	mustNil(t, err)
+	release := sync.OnceFunc(func() { conn.Close() })
+	t.Cleanup(release) // before the Runs stop, should the test fail
+	outboxtest.WaitUntil(t, func() bool { return outbox.HeldSlots(rs[0].d) == 0 && slotsSplit(rs[1:]) },
+		"the stuck dispatcher to give its slots to the other")
+	release()
+	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "the two dispatchers to split the slots again")
 }
 
 // With the slots split, each dispatcher's claim takes the due events of
