@@ -487,23 +487,25 @@ func sortByID(rows []claimed) []claimed {
 // statement, which finds each aggregate's head by walking its index
 // entries (up to a second per call in a drain of 200k events by four
 // dispatchers). It is an optimisation, so it never fails a dispatch: an
-// error is logged.
-func (d *Dispatcher) parkBlocked(ctx context.Context, slots uint64) {
+// error is logged. It reports whether it moved any row.
+func (d *Dispatcher) parkBlocked(ctx context.Context, slots uint64) (parked bool) {
 	now := time.Now()
 	last := d.lastPark.Load()
 	if last != 0 && now.Sub(time.Unix(0, last)) < d.pollInterval {
-		return
+		return false
 	}
 	if !d.lastPark.CompareAndSwap(last, now.UnixNano()) {
-		return
+		return false
 	}
 	blockers, err := d.blockers(ctx, now, slots)
+	moved := int64(0)
 	if err == nil {
-		err = d.park(ctx, blockers, now)
+		moved, err = d.park(ctx, blockers, now)
 	}
 	if err != nil {
 		d.log.Warn("outbox: could not park the rows behind events that wait; claims step over them meanwhile", "error", err)
 	}
+	return moved > 0
 }
 
 // blocker is the head of an aggregate (its first undelivered event) that
@@ -584,10 +586,10 @@ FROM waits WHERE state IS NOT NULL`), args...)
 // to that time, one statement per blocker through the aggregate index,
 // provided the blocker is still in the state it was read in: RetryFailed
 // may have brought a dead letter back meanwhile (and made the rows behind
-// it due), or a claim taken the head.
-func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) error {
+// it due), or a claim taken the head. It returns how many rows it moved.
+func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) (moved int64, err error) {
 	if len(blockers) == 0 {
-		return nil
+		return 0, nil
 	}
 	query := d.d.bind(`UPDATE ` + d.t.records + ` SET next_attempt_at = ?, updated_at = ?
 WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
@@ -598,11 +600,15 @@ WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
 	ts := d.d.timeArg(now)
 	for _, b := range blockers {
 		until := d.d.timeArg(b.until.Time)
-		if _, err := d.db.Statement.ConnPool.ExecContext(ctx, query,
+		res, err := d.db.Statement.ConnPool.ExecContext(ctx, query,
 			until, ts, b.aggregateType, b.aggregateID, b.sequence, until,
-			b.aggregateType, b.aggregateID, b.sequence, b.state); err != nil {
-			return fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
+			b.aggregateType, b.aggregateID, b.sequence, b.state)
+		if err != nil {
+			return moved, fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
+		}
+		if n, err := res.RowsAffected(); err == nil {
+			moved += n
 		}
 	}
-	return nil
+	return moved, nil
 }

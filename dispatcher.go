@@ -315,12 +315,13 @@ func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
 type dispatched struct {
 	claimed, delivered int
 	// more reports that the claim stopped for want of room in the batch,
-	// so that due rows may remain.
+	// or that parking moved rows that held the claim's window back, so
+	// that due rows it can take may remain.
 	more bool
 }
 
 // dispatch claims, publishes and settles one batch.
-func (d *Dispatcher) dispatch(ctx context.Context) (dispatched, error) {
+func (d *Dispatcher) dispatch(ctx context.Context) (r dispatched, err error) {
 	d.dispatching.Store(time.Now().UnixNano())
 	defer d.dispatching.Store(0)
 	c, err := d.claim(ctx)
@@ -330,7 +331,11 @@ func (d *Dispatcher) dispatch(ctx context.Context) (dispatched, error) {
 	batchID, rows, more := c.batchID, c.rows, c.more
 	if c.heldBack && len(rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
-		defer d.parkBlocked(context.WithoutCancel(ctx), c.slots)
+		defer func() {
+			if d.parkBlocked(context.WithoutCancel(ctx), c.slots) && err == nil {
+				r.more = true // the next claim's window may reach rows it can take
+			}
+		}()
 	}
 	if len(rows) == 0 {
 		return dispatched{}, nil

@@ -67,8 +67,8 @@ func TestParkLeavesTheRowsOfABlockerThatCameBackMeanwhile(t *testing.T) {
 		if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
 			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
 		}
-		if err := d.park(ctx, blockers, now); err != nil {
-			t.Fatal(err)
+		if moved, err := d.park(ctx, blockers, now); err != nil || moved != 0 {
+			t.Fatalf("park = %d, %v; want no row moved", moved, err)
 		}
 		for _, r := range outboxtest.Records(t, db, DefaultTable) {
 			if r.NextAttemptAt.After(time.Now()) {
@@ -166,6 +166,71 @@ func TestParkLeavesTheRowsBehindADueHeadInTheWindow(t *testing.T) {
 		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
 		if blockers, err := d.blockers(context.Background(), time.Now(), 0); err != nil || len(blockers) != 0 {
 			t.Fatalf("blockers = %+v, %v; want none", blockers, err)
+		}
+	})
+}
+
+// A claim of a dispatcher's own slots that stepped over rows behind a
+// blocker makes parking look for blockers in those slots, where a look at
+// all of them sees only the older rows of other slots.
+func TestParkLooksForBlockersInTheSlotsTheClaimRead(t *testing.T) {
+	db, d := parkSetup(t, outboxtest.Postgres, 3)
+	var slot int
+	if err := db.Raw(`SELECT hashtext('agg' || ':' || 'dead') & 63`).Scan(&slot).Error; err != nil {
+		t.Fatal(err)
+	}
+	// More older due rows in other slots than parking's window holds.
+	mustExec(t, db, `INSERT INTO outbox_records (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+		idempotency_key, payload, delivery_state, next_attempt_at, occurred_at, created_at, updated_at)
+		SELECT 'o'||g, 't', 'agg', 'o'||g, 1, 'o'||g, '{}', 'pending', now() - interval '1 hour', now(), now(), now()
+		FROM generate_series(1, 5000) g WHERE hashtext('agg:o'||g) & 63 <> ? LIMIT ?`, slot, scanWindow(d.batchSize)+100)
+	ctx := context.Background()
+	if blockers, err := d.blockers(ctx, time.Now(), 0); err != nil || len(blockers) != 0 {
+		t.Fatalf("blockers in all slots = %+v, %v; want none within the window", blockers, err)
+	}
+	blockers, err := d.blockers(ctx, time.Now(), 1<<slot)
+	if err != nil || len(blockers) != 1 || blockers[0].aggregateID != "dead" || blockers[0].sequence != 1 {
+		t.Fatalf("blockers in the slot of dead = %+v, %v; want its dead letter, #1", blockers, err)
+	}
+}
+
+// After parking moved the rows that held a claim's window back, Run claims
+// again at once instead of waiting for its poll interval.
+func TestRunClaimsAgainAtOnceAfterParking(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		// More rows behind the dead letter than a run claim looks at.
+		db, _ := parkSetup(t, e, scanWindow(10)+2)
+		if err := Publish(db, Event{Type: "t", AggregateType: "agg", AggregateID: "live"}); err != nil {
+			t.Fatal(err)
+		}
+		delivered := make(chan string, 1)
+		pub := PublisherFunc(func(_ context.Context, b Batch) error {
+			for _, m := range b.Messages {
+				delivered <- m.AggregateID
+			}
+			return nil
+		})
+		d, err := NewDispatcher(db, pub, WithLogger(outboxtest.Logger(t)), WithBatchSize(10),
+			WithPollInterval(time.Hour), WithListen(false), WithLease(time.Hour))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- d.Run(ctx) }()
+		defer func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Error(err)
+			}
+		}()
+		select {
+		case agg := <-delivered:
+			if agg != "live" {
+				t.Fatalf("delivered an event of %s, want live's", agg)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("live's event not delivered within 10s of a poll interval of an hour")
 		}
 	})
 }
