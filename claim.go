@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/bits"
 	"sort"
 	"time"
 
@@ -59,12 +60,12 @@ import (
 // written, which keeps a batch on a few neighbouring pages; a run in an
 // interleaved backlog is spread over as many pages as it has rows. A
 // dispatcher that holds some of the slots (slots.go) reads the window of
-// its own slots only, and the window of all when its own have nothing due.
+// its own slots first, and when that is not full, the window of all.
 // When the window holds rows back (other dispatchers hold their
 // aggregates, or their heads wait for a retry or come after the window),
 // the claim tops the batch up with runs, and if runs found any, a
-// dispatcher without slots claims by runs alone for the next ten poll
-// intervals (runsPolls), then looks at the oldest rows again.
+// dispatcher that holds no slots claims by runs alone for the next ten
+// poll intervals (runsPolls), then looks at the oldest rows again.
 //
 // The oldest-first claim is three statements in one short transaction:
 // the window's read, which locks its rows; the lookup; the lease of the
@@ -152,18 +153,21 @@ RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequ
 // row-locking clause (dialect.skipLocked: none where the claim holds the
 // database's write lock), so that claims running side by side read
 // disjoint windows. Each row also carries when the server started
-// (dialect.serverStart). With slotOf (slotLocks.slotOf), the window holds
-// only rows of the slots in a bit mask, the argument after now; the index
-// scan steps over the others. Arguments: now, [slots,] batch size.
-func windowSQL(d dialect, t tables, slotOf string) string {
-	inSlots := ""
-	if slotOf != "" {
-		inSlots = ` AND (?::int8 >> ` + slotOf + `) & 1 = 1`
-	}
+// (dialect.serverStart). Arguments: now, batch size.
+func windowSQL(d dialect, t tables) string {
 	return `SELECT r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence, ` + d.serverStart() + ` FROM ` + t.records + ` r
-WHERE ` + dueSQL("r") + inSlots + `
+WHERE ` + dueSQL("r") + `
 ORDER BY r.next_attempt_at, r.id
 LIMIT ?` + d.skipLocked()
+}
+
+// slotScan is how many of the oldest due rows a claim of n, or parking, of
+// the slots in mask looks at for their rows: twice as many as it would
+// need to find n if the slots held their share of the due rows, so that a
+// claim of slots with few due rows among many of other slots stops early
+// instead of reading every due row (it then reads the window of all).
+func slotScan(n int, mask uint64) int {
+	return max(n, 1000) * 2 * slotCount / max(bits.OnesCount64(mask), 1)
 }
 
 // aggregateKey names an aggregate.
@@ -188,10 +192,11 @@ type aggregateSeq struct {
 // to the lease, and returns the leased rows and how many rows the window
 // held. A window of slots (a bit mask, not 0) holds only their rows.
 func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64) (rows []claimed, seen int, err error) {
-	query, args := windowSQL(d.d, d.t, ""), []any{d.d.timeArg(a.now), a.limit}
+	now := d.d.timeArg(a.now)
+	query, args := windowSQL(d.d, d.t), []any{now, a.limit}
 	if slots != 0 {
-		query = windowSQL(d.d, d.t, d.d.slotLocks().slotOf("r"))
-		args = []any{args[0], int64(slots), a.limit}
+		query = d.d.slotLocks().window(d.t, d.d.serverStart())
+		args = []any{now, slotScan(a.limit, slots), int64(slots), now, a.limit}
 	}
 	err = d.d.claimTx(ctx, d.db, func(q querier) error {
 		win, err := readWindow(ctx, q, d.d.bind(query), args...)
@@ -336,8 +341,9 @@ type claimResult struct {
 
 // claim leases up to the batch size of due rows in short transactions
 // (see above), under a fresh batch id. A dispatcher that holds some of the
-// slots but not all (slots.go) reads the window of its own slots, and the
-// window of all of them only when its own have nothing due.
+// slots but not all (slots.go) reads the window of its own slots first,
+// and unless that window was full, fills the rest of the batch from the
+// window of all slots.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	a := claimArgs{
@@ -346,53 +352,72 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
 	}
-	r := claimResult{batchID: a.batchID, slots: d.ownSlots()}
-	var (
-		seen int
-		err  error
-	)
-	if r.slots != 0 {
-		if r.rows, seen, err = d.claimOldest(ctx, a, r.slots); err != nil {
+	own := d.ownSlots()
+	r := claimResult{batchID: a.batchID}
+	if own == 0 && now.UnixNano() < d.runsUntil.Load() {
+		rows, err := d.claimRuns(ctx, a)
+		if err != nil {
+			return claimResult{}, err
+		}
+		r.rows, r.more, r.heldBack = sortByID(rows), len(rows) == a.limit, true
+		return r, nil
+	}
+	// read leases what the window of slots (0: all) allows, up to what is
+	// left of the batch, and returns how many rows the window held.
+	read := func(slots uint64) (int, error) {
+		w := a
+		w.limit = a.limit - len(r.rows)
+		rows, seen, err := d.claimOldest(ctx, w, slots)
+		if err != nil {
+			return 0, err
+		}
+		if len(rows) < seen {
+			r.heldBack, r.slots = true, slots
+		}
+		r.rows = append(r.rows, rows...)
+		r.more = r.more || (seen == w.limit && len(rows) > 0)
+		return seen, nil
+	}
+	ownFull := false
+	if own != 0 {
+		seen, err := read(own)
+		if err != nil {
 			return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 		}
+		ownFull = seen == a.limit
 	}
-	if seen == 0 {
-		r.slots = 0
-		if now.UnixNano() < d.runsUntil.Load() {
-			if r.rows, err = d.claimRuns(ctx, a); err != nil {
-				return claimResult{}, err
+	if !ownFull && len(r.rows) < a.limit {
+		if _, err := read(0); err != nil {
+			if len(r.rows) == 0 {
+				return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 			}
-			r.rows, r.more, r.heldBack = sortByID(r.rows), len(r.rows) == a.limit, true
+			d.log.Warn("outbox: could not fill a batch from all slots; dispatching what the claim took", "batch_id", a.batchID, "error", err)
+			r.rows = sortByID(r.rows)
 			return r, nil
 		}
-		if r.rows, seen, err = d.claimOldest(ctx, a, 0); err != nil {
-			return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
-		}
 	}
-	r.more = seen == a.limit && len(r.rows) > 0
-	if seen == 0 || len(r.rows) == seen {
-		// Nothing due, or nothing held back.
+	if !r.heldBack || len(r.rows) == a.limit {
+		// Nothing held back, or no room left.
 		r.rows = sortByID(r.rows)
 		return r, nil
 	}
-	// The window held back some of its rows: other dispatchers hold their
+	// A window held back some of its rows: other dispatchers hold their
 	// aggregates, or their heads wait for a retry, or come after the
 	// window in due order. Top the batch up by runs, and if runs found
-	// anything, claim by runs alone for a while, unless this dispatcher
-	// has slots of its own to look at: a window that stays held back
-	// would be read again, and topped up again, at every claim.
-	r.heldBack = true
-	oldest := len(r.rows)
-	a.limit -= oldest
+	// anything, claim by runs alone for a while while this dispatcher
+	// holds no slots: a window that stays held back would be read again,
+	// and topped up again, at every claim.
+	taken := len(r.rows)
+	a.limit -= taken
 	runs, err := d.claimRuns(ctx, a)
 	switch {
-	case err != nil && oldest == 0:
+	case err != nil && taken == 0:
 		return claimResult{}, err
 	case err != nil:
 		d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took", "batch_id", a.batchID, "error", err)
 		r.rows, r.more = sortByID(r.rows), true
 		return r, nil
-	case len(runs) > 0 && r.slots == 0:
+	case len(runs) > 0:
 		d.runsUntil.Store(now.Add(runsPolls * d.pollInterval).UnixNano())
 	}
 	r.rows, r.more = sortByID(append(r.rows, runs...)), r.more || len(runs) == a.limit
@@ -480,7 +505,7 @@ func sortByID(rows []claimed) []claimed {
 // take.
 //
 // It looks at the window of due rows that a run claim looks at
-// (scanWindow), in all slots, and runs at most once per poll interval per
+// (scanWindow), in the slots the claim read (slotScan), and runs at most once per poll interval per
 // dispatcher, after a claim that was not full and stepped over due rows it
 // could not take (a claim that took every due row it saw leaves none
 // behind a blocker): in normal operation it finds nothing, and costs one
@@ -535,19 +560,20 @@ type blocker struct {
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time, slots uint64) ([]blocker, error) {
 	t := d.t
 	ts := d.d.timeArg(now)
-	inSlots, args := "", []any{ts}
+	slotCol, inSlots, args := "", "", []any{ts, scanWindow(d.batchSize)}
 	if slots != 0 {
-		inSlots = ` AND (?::int8 >> ` + d.d.slotLocks().slotOf("r") + `) & 1 = 1`
-		args = append(args, int64(slots))
+		l := d.d.slotLocks()
+		slotCol, inSlots = `, `+l.slotOf("r")+` AS slot`, `WHERE `+l.inSlots("c.slot")
+		args = []any{ts, slotScan(scanWindow(d.batchSize), slots), int64(slots)}
 	}
-	args = append(args, scanWindow(d.batchSize), ts, d.d.timeArg(now.Add(d.lease)))
+	args = append(args, ts, d.d.timeArg(now.Add(d.lease)))
 	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
 	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
-		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence FROM `+t.records+` r
-		WHERE `+dueSQL("r")+inSlots+`
+		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence`+slotCol+` FROM `+t.records+` r
+		WHERE `+dueSQL("r")+`
 		ORDER BY r.next_attempt_at, r.id
 		LIMIT ?
-	) c
+	) c `+inSlots+`
 	GROUP BY c.aggregate_type, c.aggregate_id
 	HAVING max(c.aggregate_sequence) > 1
 ), heads AS MATERIALIZED (

@@ -290,15 +290,39 @@ func (postgresSlots) slotOf(a string) string {
 	return `(hashtext(` + a + `.aggregate_type || ':' || ` + a + `.aggregate_id) & 63)`
 }
 
+func (postgresSlots) inSlots(slot string) string { return `(?::int8 >> ` + slot + `) & 1 = 1` }
+
+// window reads the bounded run of oldest due rows through the due index,
+// as windowSQL does, keeps those of the slots, and locks only those: each
+// is fetched again by primary key, and locked, once the LIMIT wants it.
+func (p postgresSlots) window(t tables, serverStart string) string {
+	return `SELECT r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence, ` + serverStart + `
+FROM (
+	SELECT c.id, c.next_attempt_at, ` + p.slotOf("c") + ` AS slot FROM ` + t.records + ` c
+	WHERE ` + dueSQL("c") + `
+	ORDER BY c.next_attempt_at, c.id
+	LIMIT ?
+) w JOIN ` + t.records + ` r ON r.id = w.id
+WHERE ` + p.inSlots("w.slot") + ` AND ` + dueSQL("r") + `
+ORDER BY w.next_attempt_at, w.id
+LIMIT ?
+FOR UPDATE OF r SKIP LOCKED`
+}
+
 // slotMembers is the key of the shared lock that counts the dispatchers.
 const slotMembers = slotCount
 
 // open connects with pgx, from the DSN that db's pool was opened with:
 // slots need a *gorm.DB opened by gorm.io/driver/postgres from a DSN (not
 // from a pool of the caller's, whose connections it cannot open more of).
-// A pooler that hands each statement to another server session
-// (PgBouncer's transaction pooling) cannot keep session locks, and is
-// refused.
+// Settings that the *gorm.DB's pool takes from elsewhere than the DSN
+// (postgres.Config.OptionOpenDB hooks, such as one that sets a password)
+// do not reach this connection. A pooler that hands each statement to
+// another server session (PgBouncer's transaction pooling) cannot keep
+// session locks: it is refused when the first two statements run in two
+// sessions, which is not always the case, so dispatchers must connect to
+// the server itself, or through a pooler in session mode (as listening
+// needs too).
 func (postgresSlots) open(ctx context.Context, db *gorm.DB, t tables) (slotSession, error) {
 	var cfg *postgres.Config
 	switch dl := db.Dialector.(type) {
@@ -307,10 +331,17 @@ func (postgresSlots) open(ctx context.Context, db *gorm.DB, t tables) (slotSessi
 	case postgres.Dialector:
 		cfg = dl.Config
 	}
-	if cfg == nil || cfg.Conn != nil || cfg.DSN == "" || (cfg.DriverName != "" && cfg.DriverName != "pgx") {
+	if cfg == nil || cfg.Conn != nil || cfg.DSN == "" || (cfg.DriverName != "" && cfg.DriverName != "pgx" && cfg.DriverName != "pgx/v5") {
 		return nil, fmt.Errorf("%w: the *gorm.DB was not opened from a DSN by the pgx driver", errNoSlots)
 	}
-	conn, err := pgx.Connect(ctx, cfg.DSN)
+	connCfg, err := pgx.ParseConfig(cfg.DSN)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoSlots, err)
+	}
+	if cfg.PreferSimpleProtocol {
+		connCfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	}
+	conn, err := pgx.ConnectConfig(ctx, connCfg)
 	if err != nil {
 		return nil, err
 	}
@@ -377,15 +408,37 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $
 	return members, mine, others, stale, rows.Err()
 }
 
-func (s *postgresSession) lock(ctx context.Context, slot int) (bool, error) {
-	var ok bool
-	err := s.conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1::int8::oid::int4, $2)`, s.ns, slot).Scan(&ok)
-	return ok, err
+func (s *postgresSession) lock(ctx context.Context, slots uint64) (uint64, error) {
+	rows, err := s.conn.Query(ctx, `SELECT n FROM unnest($2::int4[]) n WHERE pg_try_advisory_lock($1::int8::oid::int4, n)`, s.ns, slotList(slots))
+	if err != nil {
+		return 0, err
+	}
+	defer rows.Close()
+	var got uint64
+	for rows.Next() {
+		var n int32
+		if err := rows.Scan(&n); err != nil {
+			return got, err
+		}
+		got |= 1 << n
+	}
+	return got, rows.Err()
 }
 
-func (s *postgresSession) unlock(ctx context.Context, slot int) error {
-	_, err := s.conn.Exec(ctx, `SELECT pg_advisory_unlock($1::int8::oid::int4, $2)`, s.ns, slot)
+func (s *postgresSession) unlock(ctx context.Context, slots uint64) error {
+	_, err := s.conn.Exec(ctx, `SELECT pg_advisory_unlock($1::int8::oid::int4, n) FROM unnest($2::int4[]) n`, s.ns, slotList(slots))
 	return err
+}
+
+// slotList returns the slots of a bit mask.
+func slotList(mask uint64) []int32 {
+	var list []int32
+	for n := range int32(slotCount) {
+		if mask&(1<<n) != 0 {
+			list = append(list, n)
+		}
+	}
+	return list
 }
 
 // close closes the connection; the server then ends the session's locks.

@@ -61,13 +61,13 @@ const (
 // so that a batch is what was written together. On PostgreSQL, dispatchers
 // that [Dispatcher.Run] side by side split the aggregates between them
 // (64 slots by a hash of the aggregate, held as advisory locks; see Run),
-// and each takes the oldest messages of its own share first, and of all
-// aggregates when its share has none due. When some of the oldest are held
+// and each takes the oldest messages of its own share first, filling the
+// rest of a batch from all aggregates. When some of the oldest are held
 // back (another dispatcher holds their aggregates, or an earlier message
 // waits for a retry), a claim tops its batch up with runs: from the
 // aggregates whose next undelivered message has waited longest, each one's
-// consecutive due messages in sequence order; a dispatcher without a share
-// of its own then takes runs alone for ten poll intervals. An aggregate
+// consecutive due messages in sequence order; a dispatcher that holds no
+// share then takes runs alone for ten poll intervals. An aggregate
 // with a deep backlog may fill a batch of runs on its own, delaying a
 // fresher aggregate by at most that batch.
 //
@@ -115,7 +115,7 @@ type Dispatcher struct {
 	slots       atomic.Uint64 // the slots this dispatcher holds (slots.go)
 	staleSlots  atomic.Uint64 // slots of silent dispatchers, claimed too
 	holding     atomic.Bool   // a Run of this dispatcher keeps its slots
-	dispatching atomic.Int64  // unix nanoseconds when the dispatch in progress began, or 0
+	dispatching atomic.Int64  // unix nanoseconds when Run's dispatch in progress began, or 0
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -322,8 +322,6 @@ type dispatched struct {
 
 // dispatch claims, publishes and settles one batch.
 func (d *Dispatcher) dispatch(ctx context.Context) (r dispatched, err error) {
-	d.dispatching.Store(time.Now().UnixNano())
-	defer d.dispatching.Store(0)
 	c, err := d.claim(ctx)
 	if err != nil {
 		return dispatched{}, err

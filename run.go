@@ -46,20 +46,24 @@ const followUp = 20 * time.Millisecond
 // rebalanced every 250ms as Runs come and go. Each Run's claims take the
 // oldest due events of its own slots first, so that side by side they
 // keep the throughput of one dispatcher draining its backlog in order,
-// instead of holding back each other's aggregates; they take from all
-// slots when their own have nothing due. Order never rests on the slots:
-// every claim checks it. A Run whose dispatch has not come back for a
-// lease gives its slots back, and the slots of a Run whose lock
+// instead of holding back each other's aggregates; a claim whose own
+// slots do not fill its window fills the rest of its batch from all
+// slots. Order never rests on the slots:
+// every claim checks it. A Run whose dispatch has not come back for two
+// leases gives its slots back, and the slots of a Run whose lock
 // connection has been silent for a lease (a frozen process) are claimed by
 // the others as their own. The locks live on a connection that Run opens
 // for itself, outside the *gorm.DB's pool, from the DSN the *gorm.DB was
-// opened with, and closes before it returns. A *gorm.DB opened on a pool
-// of the caller's (postgres.Config.Conn) or through another driver than
-// pgx, or a pooler in transaction mode between the dispatcher and the
-// server, allows no slots: Run then claims from all of them, as
-// DispatchOnce does on a dispatcher that is not running. Sessions of
-// another role, unless it has pg_read_all_stats, cannot tell whether the
-// Runs of that role are silent.
+// opened with (hooks of postgres.Config.OptionOpenDB do not apply to it),
+// and closes before it returns. A *gorm.DB opened on a pool of the
+// caller's (postgres.Config.Conn) or through another driver than pgx
+// allows no slots: Run then claims from all of them, as DispatchOnce does
+// on a dispatcher that is not running, and as a second Run of the same
+// dispatcher does. Dispatchers must reach the server directly or through a
+// pooler in session mode: session locks cannot work through a pooler in
+// transaction mode, which Run detects only when it hands its first two
+// statements to two sessions. Sessions of another role, unless it has
+// pg_read_all_stats, cannot tell whether the Runs of that role are silent.
 //
 // Errors (a lost connection, a server restart) are logged and retried at
 // the poll interval: Run recovers by itself. When ctx ends, the batch in
@@ -96,7 +100,9 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
+		d.dispatching.Store(time.Now().UnixNano())
 		r, err := d.dispatch(work)
+		d.dispatching.Store(0)
 		wait := d.pollInterval
 		switch {
 		case err != nil:

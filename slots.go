@@ -25,14 +25,18 @@ import (
 // The slots only choose where a claim looks first; order does not rest on
 // them: every claim checks each aggregate's order as before, so two
 // dispatchers that disagree on the slots for a moment (while one joins or
-// leaves) deliver in order all the same. Nor does delivery: a dispatcher
-// whose own slots have nothing due claims from all of them; a dispatcher
-// whose claims have not come back for a lease (its pool exhausted, its
-// database calls hanging) gives its slots back; and the slots of a
-// dispatcher whose lock connection has been silent for a lease (its
-// process frozen, its network gone, while the server keeps the session)
-// are claimed by every other one as if they were its own, until the
-// server ends that session.
+// leaves) deliver in order all the same. Nor does delivery: a claim whose
+// own slots do not fill its window fills the rest of its batch from all
+// slots, so that a dispatcher with little to do helps one that is slow;
+// a dispatcher whose dispatch has not come back for two leases (its pool
+// exhausted, its database calls hanging) gives its slots back; and the
+// slots of a dispatcher whose lock connection has been silent for a lease
+// (at least slotSilence; its process frozen, its network gone, while the
+// server keeps the session) are claimed by every other one as if they
+// were its own, until the server ends that session. A silent dispatcher
+// still counts among the dispatchers, so the others' shares stay as they
+// were, and they share its slots by the window of the oldest rows, as
+// dispatchers without slots do.
 //
 // The locks live as long as their connection: a dispatcher that stops, or
 // whose process dies, releases its slots when the server sees the
@@ -53,6 +57,10 @@ const (
 	// slotRetryMax bounds the wait between attempts to open the lock
 	// connection again after a failure.
 	slotRetryMax = 30 * time.Second
+	// slotSilence is the least time a lock session must have been idle
+	// for its slots to count as those of a silent dispatcher: a live one
+	// speaks every slotPeriod.
+	slotSilence = 4 * slotPeriod
 )
 
 // errNoSlots says why a dispatcher cannot hold slots where it runs.
@@ -64,6 +72,14 @@ type slotLocks interface {
 	// slotOf is the expression for the slot (0 to 63) of a row of the
 	// records table under alias a.
 	slotOf(a string) string
+	// inSlots is the condition that the slot in expression slot is one
+	// of a bit mask, its one argument.
+	inSlots(slot string) string
+	// window is windowSQL for the rows of the slots in a bit mask, among
+	// a bounded number of the oldest due rows (slotScan), each with when
+	// the server started (the expression serverStart). Arguments: now,
+	// bound, mask, now, batch size.
+	window(t tables, serverStart string) string
 	// open starts a session for the slot locks of t, outside db's pool
 	// so that it never takes a connection the pool's users count on, and
 	// counts it among the dispatchers of t. An error wrapping errNoSlots
@@ -77,10 +93,11 @@ type slotSession interface {
 	// this session holds, those that other sessions hold, and of those the
 	// slots of sessions that have sent nothing for at least silent.
 	holders(ctx context.Context, silent time.Duration) (members int, mine, others, stale uint64, err error)
-	// lock tries to take slot without waiting, and reports whether it did.
-	lock(ctx context.Context, slot int) (bool, error)
-	// unlock gives slot back.
-	unlock(ctx context.Context, slot int) error
+	// lock tries to take the slots of a bit mask without waiting, in one
+	// statement, and returns those it took.
+	lock(ctx context.Context, slots uint64) (uint64, error)
+	// unlock gives the slots of a bit mask back, in one statement.
+	unlock(ctx context.Context, slots uint64) error
 	// close ends the session, and with it its locks.
 	close()
 }
@@ -163,42 +180,45 @@ func (d *Dispatcher) holdSlots(ctx context.Context) {
 // highest first, and takes free ones up to it, lowest first; then claims
 // look first at what it holds, and at the slots of silent sessions.
 func (d *Dispatcher) takeShare(ctx context.Context, s slotSession) error {
-	members, mine, others, stale, err := s.holders(ctx, d.lease)
+	members, mine, others, stale, err := s.holders(ctx, max(d.lease, slotSilence))
 	if err != nil {
 		return err
 	}
 	share := slotShare(members)
-	for slot := slotCount - 1; slot >= 0 && bits.OnesCount64(mine) > share; slot-- {
-		if mine&(1<<slot) != 0 {
-			mine &^= 1 << slot
-			d.slots.Store(mine) // stop looking there before another takes it
-			if err := s.unlock(ctx, slot); err != nil {
-				return err
-			}
+	var give, take uint64
+	for slot := slotCount - 1; slot >= 0 && bits.OnesCount64(mine&^give) > share; slot-- {
+		give |= mine & (1 << slot)
+	}
+	if give != 0 {
+		mine &^= give
+		d.slots.Store(mine) // stop looking there before another takes them
+		if err := s.unlock(ctx, give); err != nil {
+			return err
 		}
 	}
-	for slot := 0; slot < slotCount && bits.OnesCount64(mine) < share; slot++ {
-		if (mine|others)&(1<<slot) != 0 {
-			continue
+	for slot := 0; slot < slotCount && bits.OnesCount64(mine|take) < share; slot++ {
+		if (mine|others)&(1<<slot) == 0 {
+			take |= 1 << slot
 		}
-		ok, err := s.lock(ctx, slot)
+	}
+	if take != 0 {
+		got, err := s.lock(ctx, take)
 		if err != nil {
 			return err
 		}
-		if ok {
-			mine |= 1 << slot
-		}
+		mine |= got
 	}
 	d.slots.Store(mine)
 	d.staleSlots.Store(stale)
 	return nil
 }
 
-// stuck reports whether a dispatch of this dispatcher has been running for
-// longer than a lease: its claims are not coming back.
+// stuck reports whether Run's dispatch (claim, publish, settle) has been
+// running for longer than two leases: a publish ends within one, so its
+// database calls are not coming back.
 func (d *Dispatcher) stuck() bool {
 	since := d.dispatching.Load()
-	return since != 0 && time.Since(time.Unix(0, since)) > d.lease
+	return since != 0 && time.Since(time.Unix(0, since)) > 2*d.lease
 }
 
 // ownSlots returns the slots a claim should look at first: those this

@@ -197,47 +197,68 @@ func TestPostgresStuckDispatcherGivesItsSlotsBack(t *testing.T) {
 	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "the two dispatchers to split the slots again")
 }
 
-// With the slots split, each dispatcher's claim takes the due events of
-// the aggregates in its own slots, and none of the other's.
-func TestPostgresDispatcherClaimsTheEventsOfItsOwnSlots(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
+// splitRuns starts two Runs that hold slots but, with no wake-up before an
+// hour, do not claim: the test claims with DispatchOnce. It returns them
+// once they have split the slots, with their recorders.
+func splitRuns(t *testing.T, b bundle, batch int) ([]*runner, []*recorder) {
+	t.Helper()
 	recs := []*recorder{{}, {}}
 	var rs []*runner
 	for _, rec := range recs {
-		// Runs that hold slots but, with no wake-up before an hour, do
-		// not claim: the test claims with DispatchOnce.
-		rs = append(rs, startRuns(t, b, 1, rec, outbox.WithBatchSize(1000),
+		rs = append(rs, startRuns(t, b, 1, rec, outbox.WithBatchSize(batch),
 			outbox.WithPollInterval(time.Hour), outbox.WithListen(false))...)
 	}
 	outboxtest.WaitUntil(t, func() bool { return slotsSplit(rs) }, "two dispatchers to split the slots")
-	const aggregates, each = 40, 4
-	for range each {
-		for a := range aggregates {
-			publishN(t, b.db, fmt.Sprintf("a%d", a), 1)
-		}
-	}
+	return rs, recs
+}
 
-	claimed := make([]map[string]int, 2)
+// aggregateNames returns a0 to a(n-1).
+func aggregateNames(n int) []string {
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("a%d", i)
+	}
+	return names
+}
+
+// With the slots split, each dispatcher's claim takes the oldest due
+// events of the aggregates in its own slots (the slot of an aggregate is
+// hashtext(type || ':' || id) & 63), not the oldest of all.
+func TestPostgresDispatcherClaimsTheEventsOfItsOwnSlotsFirst(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	const batch = 20
+	rs, recs := splitRuns(t, b, batch)
+	publishInterleaved(t, b.db, 4, aggregateNames(40)...)
 	for i, r := range rs {
-		dispatch(t, r.d)
-		claimed[i] = map[string]int{}
+		if n := dispatch(t, r.d); n != batch {
+			t.Fatalf("dispatcher %d delivered %d, want a full batch of %d", i, n, batch)
+		}
+		held := outbox.HeldSlots(r.d)
 		for _, m := range recs[i].accepted {
-			claimed[i][m.AggregateID]++
-		}
-	}
-	for a := range claimed[0] {
-		if claimed[1][a] > 0 {
-			t.Errorf("aggregate %s claimed by both dispatchers", a)
-		}
-	}
-	for i, c := range claimed {
-		if len(c) == 0 || len(c) == aggregates {
-			t.Errorf("dispatcher %d claimed the events of %d aggregates of %d, want its share", i, len(c), aggregates)
-		}
-		for a, n := range c {
-			if n != each {
-				t.Errorf("dispatcher %d claimed %d events of %s, want all %d", i, n, a, each)
+			var slot int
+			mustNil(t, b.db.Raw(`SELECT hashtext(? || ':' || ?) & 63`, m.AggregateType, m.AggregateID).Scan(&slot).Error)
+			if held&(1<<slot) == 0 {
+				t.Errorf("dispatcher %d claimed %s#%d, of slot %d, which it does not hold", i, m.AggregateID, m.Sequence, slot)
 			}
 		}
+	}
+}
+
+// A claim whose own slots do not fill its batch fills the rest from all
+// slots, in order: a dispatcher with little to do helps the others.
+func TestPostgresDispatcherFillsItsBatchFromAllSlots(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	rs, recs := splitRuns(t, b, 1000)
+	const aggregates, each = 40, 4
+	publishInterleaved(t, b.db, each, aggregateNames(aggregates)...)
+	if n := dispatch(t, rs[0].d); n != aggregates*each {
+		t.Fatalf("delivered %d, want all %d", n, aggregates*each)
+	}
+	next := map[string]int64{}
+	for _, m := range recs[0].accepted {
+		if m.Sequence != next[m.AggregateID]+1 {
+			t.Errorf("%s#%d delivered after #%d", m.AggregateID, m.Sequence, next[m.AggregateID])
+		}
+		next[m.AggregateID] = m.Sequence
 	}
 }
