@@ -342,8 +342,7 @@ type claimResult struct {
 // claim leases up to the batch size of due rows in short transactions
 // (see above), under a fresh batch id. A dispatcher that holds some of the
 // slots but not all (slots.go) reads the window of its own slots first,
-// and unless that window was full, fills the rest of the batch from the
-// window of all slots.
+// and the window of all slots only when its own have nothing due.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	a := claimArgs{
@@ -375,18 +374,26 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 			r.heldBack, r.slots = true, slots
 		}
 		r.rows = append(r.rows, rows...)
-		r.more = r.more || (seen == w.limit && len(rows) > 0)
+		// A window of slots may be short for want of its rows among the
+		// oldest (slotScan) rather than of due rows: look again at once.
+		r.more = r.more || (len(rows) > 0 && (seen == w.limit || slots != 0))
 		return seen, nil
 	}
-	ownFull := false
+	fill := true
 	if own != 0 {
 		seen, err := read(own)
 		if err != nil {
 			return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 		}
-		ownFull = seen == a.limit
+		// Only when its own slots have nothing due (among the rows the
+		// window looks at): filling a short window from the oldest rows
+		// of all slots takes the rows that their holders are about to
+		// claim, holds those back in turn, and sets every dispatcher on
+		// each other's aggregates again (measured: four dispatchers
+		// drained 14k-17k events/s so, against 23k-27k).
+		fill = seen == 0
 	}
-	if !ownFull && len(r.rows) < a.limit {
+	if fill && len(r.rows) < a.limit {
 		if _, err := read(0); err != nil {
 			if len(r.rows) == 0 {
 				return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
