@@ -329,8 +329,9 @@ type claimResult struct {
 	batchID string
 	rows    []claimed // oldest first
 	// more reports whether due rows may remain that the claim did not
-	// take for want of room: then the dispatcher should claim again at
-	// once rather than wait for a wake-up.
+	// take for want of room, or because its window of slots stopped at
+	// its bound: then the dispatcher should claim again at once rather
+	// than wait for a wake-up.
 	more bool
 	// heldBack reports whether the claim may have stepped over due rows
 	// that it could not take (see parkBlocked), in the window of slots

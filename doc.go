@@ -50,10 +50,10 @@
 //
 // A claim takes the oldest due events that keep each aggregate's order:
 // those whose predecessor was delivered, or is in the same batch just
-// before them. Dispatchers that Run side by side on PostgreSQL split the
-// aggregates into shares (slots, held as advisory locks) and each claims
-// the oldest of its own share first, so that they do not hold back each
-// other's. When a claim has to hold some of the oldest back (another
+// before them. Dispatchers that Run side by side on PostgreSQL with
+// WithSlots split the aggregates into shares (slots, held as advisory
+// locks) and each claims the oldest of its own share first, so that they
+// drain a backlog without holding back each other's aggregates. When a claim has to hold some of the oldest back (another
 // dispatcher holds their aggregates, or an earlier event waits for a
 // retry), it tops the batch up with runs: from the aggregates whose next
 // undelivered event has waited longest, each one's consecutive due events

@@ -39,17 +39,18 @@ const followUp = 20 * time.Millisecond
 // wake-ups coalesce: a thousand commits during one batch cause one more
 // claim, not a thousand.
 //
-// On PostgreSQL, Runs on one table (in any number of processes) split its
-// aggregates between them: 64 slots by a hash of the aggregate, each Run
+// On PostgreSQL, Runs with [WithSlots] on one table (in any number of
+// processes) split its aggregates between them: 64 slots by a hash of the aggregate, each Run
 // holding its share (64 divided by the number of Runs, rounded up) as
 // session advisory locks, keyed by the table's oid and the slot, and
 // rebalanced every 250ms as Runs come and go. Each Run's claims take the
 // oldest due events of its own slots first, so that side by side they
 // keep the throughput of one dispatcher draining its backlog in order,
-// instead of holding back each other's aggregates; a claim whose own
-// slots do not fill its window fills the rest of its batch from all
-// slots. Order never rests on the slots:
-// every claim checks it. A Run whose dispatch has not come back for two
+// instead of holding back each other's aggregates; they claim from all
+// slots when their own have nothing due. Order never rests on the slots:
+// every claim checks it. The events of a Run that is slow but alive wait
+// for it while the others have events of their own to deliver, as a
+// partition waits for its consumer. A Run whose dispatch has not come back for two
 // leases gives its slots back, and the slots of a Run whose lock
 // connection has been silent for a lease (a frozen process) are claimed by
 // the others as their own. The locks live on a connection that Run opens

@@ -9,7 +9,8 @@ import (
 	"gorm.io/gorm"
 )
 
-// Slots: how dispatchers that Run side by side share a backlog.
+// Slots: how dispatchers that Run side by side share a backlog, when
+// WithSlots turns them on.
 //
 // Every aggregate falls in one of 64 slots, by a hash of its type and id.
 // Dispatchers that Run on the same PostgreSQL table split the slots between
@@ -25,10 +26,14 @@ import (
 // The slots only choose where a claim looks first; order does not rest on
 // them: every claim checks each aggregate's order as before, so two
 // dispatchers that disagree on the slots for a moment (while one joins or
-// leaves) deliver in order all the same. Nor does delivery: a claim whose
-// own slots do not fill its window fills the rest of its batch from all
-// slots, so that a dispatcher with little to do helps one that is slow;
-// a dispatcher whose dispatch has not come back for two leases (its pool
+// leaves) deliver in order all the same. Nor does delivery, but for pace:
+// a dispatcher whose own slots have nothing due claims from all of them,
+// so that one with nothing to do helps the others (one with little to do
+// does not: filling its batch from the oldest rows of all slots would
+// take the rows their holders are about to claim, and set every
+// dispatcher on each other's aggregates again; the events of a slow
+// dispatcher wait for it meanwhile, as a partition waits for its
+// consumer); a dispatcher whose dispatch has not come back for two leases (its pool
 // exhausted, its database calls hanging) gives its slots back; and the
 // slots of a dispatcher whose lock connection has been silent for a lease
 // (at least slotSilence; its process frozen, its network gone, while the
@@ -112,7 +117,7 @@ func slotShare(n int) int { return (slotCount + n - 1) / max(n, 1) }
 // claims look at all of them.
 func (d *Dispatcher) holdSlots(ctx context.Context) {
 	locks := d.d.slotLocks()
-	if locks == nil || !d.holding.CompareAndSwap(false, true) {
+	if !d.slotsOn || locks == nil || !d.holding.CompareAndSwap(false, true) {
 		return // no slots here, or another Run of this dispatcher holds them
 	}
 	defer d.holding.Store(false)

@@ -24,15 +24,15 @@ type runner struct {
 	done chan struct{}
 }
 
-// startRuns starts n dispatchers' Run on b's table, each on a pool of its
-// own, and stops those still running when the test ends.
+// startRuns starts n dispatchers' Run with slots on b's table, each on a
+// pool of its own, and stops those still running when the test ends.
 func startRuns(t *testing.T, b bundle, n int, p outbox.Publisher, opts ...outbox.DispatcherOption) []*runner {
 	t.Helper()
 	rs := make([]*runner, n)
 	for i := range rs {
 		db := outboxtest.Reopen(t, b.info, nil)
 		ctx, cancel := context.WithCancel(context.Background())
-		r := &runner{d: newDispatcher(t, db, p, opts...), db: db, stop: cancel, done: make(chan struct{})}
+		r := &runner{d: newDispatcher(t, db, p, append([]outbox.DispatcherOption{outbox.WithSlots(true)}, opts...)...), db: db, stop: cancel, done: make(chan struct{})}
 		go func() {
 			defer close(r.done)
 			mustNilNow(t, r.d.Run(ctx))
@@ -130,7 +130,7 @@ func TestPostgresRunOnACallersPoolHoldsNoSlots(t *testing.T) {
 	publishN(t, b.db, "a", 5)
 	db := openPostgres(t, postgres.Config{Conn: openPool(t, b.info.DSN)}, nil)
 	rec := &recorder{}
-	d := newDispatcher(t, db, rec, outbox.WithPollInterval(10*time.Millisecond))
+	d := newDispatcher(t, db, rec, outbox.WithSlots(true), outbox.WithPollInterval(10*time.Millisecond))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -264,5 +264,31 @@ func TestPostgresDispatcherClaimsFromAllSlotsWhenItsOwnHaveNothingDue(t *testing
 			t.Errorf("%s#%d delivered after #%d", m.AggregateID, m.Sequence, next[m.AggregateID])
 		}
 		next[m.AggregateID] = m.Sequence
+	}
+}
+
+// Slots are off unless asked for: a Run without WithSlots holds none.
+func TestPostgresRunHoldsNoSlotsByDefault(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	publishN(t, b.db, "a", 5)
+	rec := &recorder{}
+	d := newDispatcher(t, b.db, rec, outbox.WithPollInterval(10*time.Millisecond))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		mustNilNow(t, d.Run(ctx))
+	}()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
+	time.Sleep(300 * time.Millisecond) // more than a look at the slots
+	if s := outbox.HeldSlots(d); s != 0 {
+		t.Fatalf("a Run without WithSlots holds slots %x, want none", s)
+	}
+	if n := slotLocks(t, b); n != 0 {
+		t.Fatalf("%d slot locks held, want none", n)
 	}
 }
