@@ -123,33 +123,6 @@ func TestPostgresRunHoldsSlotsOutsideItsPool(t *testing.T) {
 	outboxtest.WaitUntil(t, func() bool { return outbox.HeldSlots(r.d) == ^uint64(0) }, "the only dispatcher to hold every slot")
 }
 
-// A *gorm.DB opened on a pool of the caller's gives Run no DSN to open its
-// lock connection from: it holds no slots, and delivers all the same.
-func TestPostgresRunOnACallersPoolHoldsNoSlots(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
-	publishN(t, b.db, "a", 5)
-	db := openPostgres(t, postgres.Config{Conn: openPool(t, b.info.DSN)}, nil)
-	rec := &recorder{}
-	d := newDispatcher(t, db, rec, outbox.WithSlots(true), outbox.WithPollInterval(10*time.Millisecond))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		mustNilNow(t, d.Run(ctx))
-	}()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
-	if s := outbox.HeldSlots(d); s != 0 {
-		t.Fatalf("a Run on the caller's pool holds slots %x, want none", s)
-	}
-	if n := slotLocks(t, b); n != 0 {
-		t.Fatalf("%d slot locks held, want none", n)
-	}
-}
-
 // The slots of a session that has sent nothing for a lease (a dispatcher
 // whose process is frozen while the server keeps its session) are claimed
 // by the other dispatchers too, until it speaks again.
@@ -267,28 +240,43 @@ func TestPostgresDispatcherClaimsFromAllSlotsWhenItsOwnHaveNothingDue(t *testing
 	}
 }
 
-// Slots are off unless asked for: a Run without WithSlots holds none.
-func TestPostgresRunHoldsNoSlotsByDefault(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
-	publishN(t, b.db, "a", 5)
-	rec := &recorder{}
-	d := newDispatcher(t, b.db, rec, outbox.WithPollInterval(10*time.Millisecond))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		mustNilNow(t, d.Run(ctx))
-	}()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
-	time.Sleep(300 * time.Millisecond) // more than a look at the slots
-	if s := outbox.HeldSlots(d); s != 0 {
-		t.Fatalf("a Run without WithSlots holds slots %x, want none", s)
-	}
-	if n := slotLocks(t, b); n != 0 {
-		t.Fatalf("%d slot locks held, want none", n)
+// A Run holds no slots unless asked to (WithSlots), nor on a *gorm.DB
+// opened on a pool of the caller's, which gives it no DSN to open its lock
+// connection from; either way it delivers.
+func TestPostgresRunHoldsNoSlotsUnlessItCan(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		pool  func(b bundle) *gorm.DB
+		slots bool
+	}{
+		{"without WithSlots", func(b bundle) *gorm.DB { return b.db }, false},
+		{"on a caller's pool", func(b bundle) *gorm.DB {
+			return openPostgres(t, postgres.Config{Conn: openPool(t, b.info.DSN)}, nil)
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := setup(t, outboxtest.Postgres, nil)
+			publishN(t, b.db, "a", 5)
+			rec := &recorder{}
+			d := newDispatcher(t, tc.pool(b), rec, outbox.WithSlots(tc.slots), outbox.WithPollInterval(10*time.Millisecond))
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				mustNilNow(t, d.Run(ctx))
+			}()
+			defer func() {
+				cancel()
+				<-done
+			}()
+			outboxtest.WaitUntil(t, func() bool { return len(rec.acceptedIDs()) == 5 }, "the five events")
+			time.Sleep(300 * time.Millisecond) // more than a look at the slots
+			if s := outbox.HeldSlots(d); s != 0 {
+				t.Fatalf("the Run holds slots %x, want none", s)
+			}
+			if n := slotLocks(t, b); n != 0 {
+				t.Fatalf("%d slot locks held, want none", n)
+			}
+		})
 	}
 }
