@@ -112,7 +112,7 @@ func slotShare(n int) int { return (slotCount + n - 1) / max(n, 1) }
 
 // holdSlots keeps this dispatcher's share of the slots until ctx ends, on a
 // session of its own that it closes then, which releases them. It does
-// nothing on an engine or a pool without slot locks. While it holds no
+// nothing without WithSlots, or on an engine or a pool without slot locks. While it holds no
 // slots (joining, after losing its session, while its claims are stuck)
 // claims look at all of them.
 func (d *Dispatcher) holdSlots(ctx context.Context) {
@@ -141,11 +141,12 @@ func (d *Dispatcher) holdSlots(ctx context.Context) {
 		switch {
 		case d.stuck():
 			if s != nil {
-				d.log.Warn("outbox: a dispatch has not come back for a lease; giving the slots back to the other dispatchers")
+				d.log.Warn("outbox: a dispatch has not come back for two leases; giving the slots back to the other dispatchers")
 				drop()
 			}
 		default:
 			lookCtx, cancel := context.WithTimeout(ctx, slotTimeout)
+			err = nil
 			if s == nil {
 				s, err = locks.open(lookCtx, d.db, d.t)
 			}
