@@ -280,3 +280,57 @@ func TestPostgresRunHoldsNoSlotsUnlessItCan(t *testing.T) {
 		})
 	}
 }
+
+// A dispatcher looks for the events of its own slots among a bounded run
+// of the oldest due events, so that no claim sorts the whole backlog: for
+// a batch of up to 1,000 and 32 slots held, the 4,000 oldest. An event of
+// its slots behind that run waits, and the claim helps with the oldest of
+// all slots instead.
+func TestPostgresDispatcherLooksForItsOwnEventsAmongTheOldestOnly(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		ahead int // due events of other slots older than the dispatcher's own
+		found bool
+	}{
+		{"within the run", 4000 - 1, true},
+		{"behind the run", 4000, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := setup(t, outboxtest.Postgres, nil)
+			const batch = 10
+			rs, recs := splitRuns(t, b, batch)
+			held := outbox.HeldSlots(rs[0].d)
+			if n := bits.OnesCount64(held); n != 32 {
+				t.Fatalf("the dispatcher holds %d slots, want 32", n)
+			}
+			var mine string
+			var others []string
+			for _, name := range aggregateNames(100) {
+				var slot int
+				mustNil(t, b.db.Raw(`SELECT hashtext('agg:' || ?) & 63`, name).Scan(&slot).Error)
+				if held&(1<<slot) != 0 {
+					mine = name
+				} else {
+					others = append(others, name)
+				}
+			}
+			events := make([]outbox.Event, tc.ahead)
+			for i := range events {
+				events[i] = outbox.Event{Type: "t", AggregateType: "agg", AggregateID: others[i%len(others)]}
+			}
+			mustNil(t, outbox.Publish(b.db, events...))
+			publishN(t, b.db, mine, 1)
+
+			if n := dispatch(t, rs[0].d); n == 0 {
+				t.Fatal("the claim delivered nothing")
+			}
+			found := false
+			for _, m := range recs[0].accepted {
+				found = found || m.AggregateID == mine
+			}
+			if found != tc.found {
+				t.Fatalf("claimed the event of its own slot behind %d others: %v, want %v", tc.ahead, found, tc.found)
+			}
+		})
+	}
+}
