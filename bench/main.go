@@ -27,6 +27,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"sort"
 	"strconv"
 	"strings"
@@ -126,6 +127,7 @@ func main() {
 	flag.IntVar(&c.repeat, "repeat", c.repeat, "drains per dispatch figure, interleaved across systems; the figure is their median")
 	flag.Var((*intList)(&c.dispatchers), "dispatchers", "comma-separated dispatcher counts of the dispatch scenario")
 	flag.Var((*intList)(&c.batchSizes), "batches", "comma-separated batch sizes of the dispatch scenario")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (the bench and the library in it) to this file, for go tool pprof")
 	smoke := flag.Bool("smoke", false, "tiny sizes and short durations, to check that everything runs (CI)")
 	only := flag.String("only", "", "comma-separated scenarios to run: "+strings.Join(scenarioNames, ", ")+
 		" (or dispatch parts: "+strings.Join(dispatchParts, ", ")+")")
@@ -146,12 +148,29 @@ func main() {
 		os.Exit(2)
 	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, c, os.Stdout); err != nil {
+	if err := runProfiled(c, *cpuProfile); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
+}
+
+// runProfiled runs the benchmark until it ends or is interrupted, under a
+// CPU profile written to path if path is set.
+func runProfiled(c config, path string) error {
+	if path != "" {
+		f, err := os.Create(path)
+		if err != nil {
+			return fmt.Errorf("-cpuprofile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("-cpuprofile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return run(ctx, c, os.Stdout)
 }
 
 func parseOnly(s string) (map[string]bool, error) {
