@@ -18,8 +18,9 @@
 // through the statement's own transaction, so they commit if and only if
 // the business write commits. Types you cannot change get their events
 // through [RegisterEmitter]; events not tied to a model write are recorded
-// with [Publish] inside the caller's transaction. An event that cannot be
-// encoded fails the write, and nothing is written.
+// with [Publish] inside the caller's transaction. [Transaction] is
+// db.Transaction that also wakes the dispatchers once it has committed. An
+// event that cannot be encoded fails the write, and nothing is written.
 //
 // Each event becomes a row of the outbox_records table with a unique
 // event_id, a unique idempotency_key (writing a key that exists is a no-op)

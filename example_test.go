@@ -139,6 +139,31 @@ func ExamplePublish() {
 	// rows: 1
 }
 
+func ExampleTransaction() {
+	db, done := openExampleDB(&Invoice{})
+	defer done()
+
+	// db.Transaction, plus a wake-up for the dispatchers after the commit
+	// (and, on PostgreSQL, commits side by side with other writers').
+	err := outbox.Transaction(db, func(tx *gorm.DB) error {
+		inv := Invoice{Amount: 40}
+		if err := tx.Create(&inv).Error; err != nil {
+			return err
+		}
+		return outbox.Publish(tx, outbox.Event{
+			Type: "invoice.sent", AggregateType: "invoice", AggregateID: strconv.Itoa(int(inv.ID)),
+		})
+	})
+	fmt.Println("transaction:", err)
+
+	var types []string
+	db.Raw("SELECT event_type FROM outbox_records ORDER BY id").Scan(&types)
+	fmt.Println(types)
+	// Output:
+	// transaction: <nil>
+	// [invoice.create invoice.sent]
+}
+
 func ExampleNewDispatcher() {
 	db, done := openExampleDB(&Invoice{})
 	defer done()

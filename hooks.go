@@ -68,6 +68,7 @@ type writeState struct {
 	wrote    bool      // events were written
 	inside   bool      // the transaction was asked to notify at its commit
 	notifier *notifier // sends the notification after the commit, if any
+	tx       *txWrites // the Transaction the statement runs in, which wakes the dispatchers
 
 	replaced gorm.ConnPool // the statement's connection before outbox:before_* opened one
 }
@@ -112,8 +113,8 @@ func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
 	}
 	setState(db, nil)
 	p.uncount(st)
-	if !st.wrote {
-		return
+	if !st.wrote || st.tx != nil {
+		return // a Transaction wakes the dispatchers after its commit
 	}
 	// An error here may be a failed commit or one that a callback after
 	// the commit added: a rolled-back write then costs a wake-up that
@@ -145,6 +146,9 @@ func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
 		if inTx {
 			_, started := db.InstanceGet(gormStartedTxKey)
 			st.own = started && !db.Config.SkipDefaultTransaction
+			if !st.own {
+				st.tx = txWritesOf(db, p)
+			}
 			return
 		}
 		tx := db.Begin()
@@ -196,14 +200,18 @@ func (p *OutboxPlugin) writeEvents(db *gorm.DB, st *writeState, op Op) {
 		events = append(events, evs...)
 		return nil
 	})
-	if err == nil && len(events) > 0 {
+	switch {
+	case err != nil || len(events) == 0:
+	case st.tx != nil:
+		err = st.tx.write(db, events)
+	default:
 		if st.own {
 			p.ownInFlight.Add(1)
 			st.counted = true
 			st.notifier = p.notifierFor(db)
 		}
 		st.inside = p.notifyInside(st.notifier, st.own)
-		err = p.write(stmt.Context, db, stmt.ConnPool, events, st.inside)
+		_, err = p.write(stmt.Context, db, stmt.ConnPool, events, st.inside)
 	}
 	if err != nil {
 		_ = db.AddError(err)
@@ -316,20 +324,21 @@ func eachModel(rv reflect.Value, fn func(reflect.Value) error) error {
 
 // write validates and encodes every event first, so that a bad one writes
 // nothing, then stores them through conn in order. With notify, it also
-// asks the engine to notify listeners when the transaction commits.
-func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPool, events []Event, notify bool) error {
+// asks the engine to notify listeners when the transaction commits, and
+// reports whether it did (not when every event was stored already).
+func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPool, events []Event, notify bool) (notified bool, err error) {
 	if len(events) == 0 {
-		return nil
+		return false, nil
 	}
 	d, err := dialectOf(db)
 	if err != nil {
-		return err
+		return false, err
 	}
 	now := time.Now()
 	encoded := make([]encodedEvent, len(events))
 	for i, ev := range events {
 		if encoded[i], err = ev.encode(now); err != nil {
-			return err
+			return false, err
 		}
 	}
 	for i := range encoded {
@@ -337,17 +346,17 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 		// identical ones, but sending it once saves the work. It rides on
 		// the first event actually inserted: one whose idempotency key is
 		// stored already is skipped, and its notification with it.
-		inserted, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify)
-		if inserted {
-			notify = false
+		inserted, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify && !notified)
+		if inserted && notify {
+			notified = true
 		}
 		if err != nil {
 			e := &encoded[i]
 			if d.rejectsData(err) {
-				return fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, e.typ, err)
+				return notified, fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, e.typ, err)
 			}
-			return fmt.Errorf("outbox: write event %q (%s %s/%s): %w", e.id, e.typ, e.aggregateType, e.aggregateID, err)
+			return notified, fmt.Errorf("outbox: write event %q (%s %s/%s): %w", e.id, e.typ, e.aggregateType, e.aggregateID, err)
 		}
 	}
-	return nil
+	return notified, nil
 }

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -64,6 +65,8 @@ func TestCommitWakesRunWithoutPolling(t *testing.T) {
 			return nil
 		}))
 		awaitMessage(t, got, "a create in an explicit transaction")
+		mustNil(t, outbox.Transaction(b.db, func(tx *gorm.DB) error { return tx.Create(&Order{Status: "outbox.Transaction"}).Error }))
+		awaitMessage(t, got, "a create in outbox.Transaction")
 		mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1"}))
 		awaitMessage(t, got, "Publish")
 	})
@@ -116,6 +119,9 @@ var eventWrites = []struct {
 	{"CreateInTheCallersTransaction", nil, func(db *gorm.DB, status string) error {
 		return db.Transaction(func(tx *gorm.DB) error { return tx.Create(&Order{Status: status}).Error })
 	}, false},
+	{"CreateInTransaction", nil, func(db *gorm.DB, status string) error {
+		return outbox.Transaction(db, func(tx *gorm.DB) error { return tx.Create(&Order{Status: status}).Error })
+	}, true},
 	{"UpdateInGORMsTransaction", nil, func(db *gorm.DB, status string) error {
 		o := Order{Status: "before " + status}
 		if err := outbox.WithoutEvents(db).Create(&o).Error; err != nil {
@@ -146,6 +152,11 @@ var eventWrites = []struct {
 			return outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "a", AggregateID: status})
 		})
 	}, false},
+	{"PublishInTransaction", nil, func(db *gorm.DB, status string) error {
+		return outbox.Transaction(db, func(tx *gorm.DB) error {
+			return outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "a", AggregateID: status})
+		})
+	}, true},
 }
 
 func TestCommitWakesRunOnAnotherPoolByNotification(t *testing.T) {
@@ -303,20 +314,8 @@ func TestListenerReconnectsAfterItsConnectionIsKilled(t *testing.T) {
 
 func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 	b := notifySetup(t, nil)
-	ctx := context.Background()
 	conn := listenConn(t, b)
-	count := func() int {
-		n := 0
-		for {
-			wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-			_, err := conn.WaitForNotification(wctx)
-			cancel()
-			if err != nil {
-				return n
-			}
-			n++
-		}
-	}
+	count := func() int { return countNotifications(conn) }
 	_ = b.db.Transaction(func(tx *gorm.DB) error {
 		mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
 		return errRollback
@@ -342,6 +341,85 @@ func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 	}))
 	if n := count(); n != 1 {
 		t.Fatalf("%d notifications for one transaction of ten events, want 1", n)
+	}
+}
+
+func TestTransactionNotifiesOncePerCommitAndNeverForRollback(t *testing.T) {
+	b := notifySetup(t, nil)
+	conn := listenConn(t, b)
+	mustErr(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
+		mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
+		return errRollback
+	}))
+	mustNil(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
+		for range 10 {
+			if err := tx.Create(&Order{Status: "one of ten"}).Error; err != nil {
+				return err
+			}
+		}
+		return outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1"})
+	}))
+	if n := countNotifications(conn); n != 1 {
+		t.Fatalf("%d notifications for a rolled-back transaction and one of eleven events, want 1", n)
+	}
+}
+
+// A Transaction is counted in flight only until it ends, committed or
+// not: a lone transaction after one that rolled back notifies at its own
+// commit again.
+func TestTransactionThatRolledBackLeavesTheNextOneAlone(t *testing.T) {
+	b := notifySetup(t, nil)
+	pids := writerPIDs(t, b.db)
+	conn := listenConn(t, b)
+	mustErr(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
+		mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
+		return errRollback
+	}))
+	mustNil(t, b.db.Create(&Order{Status: "alone"}).Error)
+	n := awaitNotification(t, conn)
+	if writer, _ := pids.Load("alone"); n.PID != writer {
+		t.Fatalf("notification from backend %d, want it from the writer %d", n.PID, writer)
+	}
+}
+
+// Inside the caller's transaction, Transaction is a savepoint, and its
+// events commit, and notify, with the caller's transaction.
+func TestTransactionInsideATransactionCommitsWithIt(t *testing.T) {
+	b := notifySetup(t, nil)
+	conn := listenConn(t, b)
+	mustErr(t, b.db.Transaction(func(tx *gorm.DB) error {
+		mustNil(t, outbox.Transaction(tx, func(tx *gorm.DB) error { return tx.Create(&Order{Status: "nested"}).Error }))
+		return errRollback
+	}))
+	if n := len(b.records(t)); n != 0 {
+		t.Fatalf("%d events stored after the outer transaction rolled back, want 0", n)
+	}
+	if n := countNotifications(conn); n != 0 {
+		t.Fatalf("%d notifications for a rolled-back transaction, want 0", n)
+	}
+}
+
+func TestTransactionWithoutThePluginRunsNothing(t *testing.T) {
+	b := setup(t, outboxtest.SQLite, nil)
+	ran := false
+	err := outbox.Transaction(outboxtest.Reopen(t, b.info, nil), func(*gorm.DB) error { ran = true; return nil })
+	if !errors.Is(err, outbox.ErrPluginNotRegistered) || ran {
+		t.Fatalf("Transaction without the plugin: %v, ran: %v; want ErrPluginNotRegistered, not run", err, ran)
+	}
+}
+
+// countNotifications counts the notifications that reach conn until none
+// comes for 300 ms.
+func countNotifications(conn *pgx.Conn) int {
+	n := 0
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		_, err := conn.WaitForNotification(ctx)
+		cancel()
+		if err != nil {
+			return n
+		}
+		n++
 	}
 }
 

@@ -73,10 +73,10 @@ func WithTable(name string) Option {
 // dispatches as soon as they commit (default true). A notification never
 // comes before its events are committed; one may follow a write that was
 // rolled back after its events were written, and wakes the dispatchers for
-// nothing. A transaction notifies at its own commit when it runs in the caller's
-// transaction (whose commit the plugin cannot see) or is alone; when
-// several whose commits the plugin sees overlap (GORM's per-statement
-// transactions, Publish outside a transaction), a notifier sends one
+// nothing. A transaction notifies at its own commit when it runs in the
+// caller's db.Transaction (whose commit the plugin cannot see) or is alone;
+// when several whose commits the plugin sees overlap (GORM's per-statement
+// transactions, [Transaction], Publish outside a transaction), a notifier sends one
 // notification for them after their commits, at most one per 5 ms, from a
 // connection of the pool, so that they are not made to commit one at a
 // time. It has no effect on SQLite.

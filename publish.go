@@ -27,7 +27,10 @@ func Publish(tx *gorm.DB, events ...Event) error {
 		return nil
 	}
 	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); inTx {
-		err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, p.notifyInside(nil, false))
+		if w := txWritesOf(tx, p); w != nil {
+			return w.write(tx, events) // Transaction wakes the dispatchers after its commit
+		}
+		_, err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, p.notifyInside(nil, false))
 		if err == nil {
 			p.wake()
 		}
@@ -42,7 +45,8 @@ func Publish(tx *gorm.DB, events ...Event) error {
 	err = tx.Transaction(func(tx *gorm.DB) error {
 		n = p.notifierFor(tx)
 		inside = p.notifyInside(n, true)
-		return p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, inside)
+		_, err := p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, inside)
+		return err
 	})
 	if err == nil {
 		p.committed(n, inside)

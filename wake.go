@@ -14,15 +14,16 @@ import (
 //
 //   - In-process: the plugin calls the wakers of this process's dispatchers
 //     (addWaker) after a write through it; inside the caller's
-//     transaction, whose commit no callback sees, that is before the
-//     commit, and Dispatcher.Run looks again shortly.
+//     db.Transaction, whose commit no callback sees, that is before the
+//     commit, and Dispatcher.Run looks again shortly; inside Transaction,
+//     after the commit.
 //   - Notification inside the transaction: the write asks PostgreSQL to
 //     notify when its transaction commits.
 //   - Notification after the commit: a notifier sends one notification,
 //     from a connection of the pool, once the commit has returned, for a
 //     transaction whose commit the plugin sees (GORM's default transaction
 //     of a statement, the one the plugin opens under SkipDefaultTransaction,
-//     Publish's outside a transaction).
+//     Publish's outside a transaction, Transaction's; see transaction.go).
 //
 // The notifications never come before the events are visible. The one
 // inside comes only with the commit. The notifier's follows a statement
@@ -32,7 +33,7 @@ import (
 // finds nothing, but a committed one is not left without.
 //
 // A transaction notifies inside when the plugin cannot see its commit (the
-// caller's transaction, and statements nested in another's, like
+// caller's db.Transaction, and statements nested in another's, like
 // association saves), or when no other transaction of the plugin's is
 // counted in flight, from its event writes until after its commit;
 // otherwise the notifier does it. PostgreSQL serialises the commits of
