@@ -29,6 +29,9 @@ import (
 //	(c)  plugin:         db.Create(&order) through GORM with the outbox
 //	                     plugin, default options
 //	     plugin_nonotify: (c) with WithNotify(false) (PostgreSQL only)
+//	     plugin_gormtx:   (c) inside db.Transaction, where the plugin cannot
+//	                      see the commit (PostgreSQL only)
+//	     plugin_tx:       (c) inside outbox.Transaction (PostgreSQL only)
 //
 // at 1 and 8 concurrent clients. Every variant gets a fresh schema (or
 // SQLite file) and the same warm-up; the variants then take turns, a
@@ -46,6 +49,8 @@ var writeVariants = []writeVariant{
 	{"gorm", "    insert through GORM, no plugin", false},
 	{"plugin", "(c) insert through GORM + plugin (defaults)", false},
 	{"plugin_nonotify", "    (c) with WithNotify(false)", true},
+	{"plugin_gormtx", "    (c) inside db.Transaction", true},
+	{"plugin_tx", "    (c) inside outbox.Transaction", true},
 }
 
 // writeEngine opens a fresh database for one measurement.
@@ -129,6 +134,8 @@ func runWrite(ctx context.Context, e *env, c config, r *report) error {
 			{"c/b (plugin over the outbox SQL by hand)", "plugin", "raw", "c_over_b", false},
 			{"c/(b+notify) (like for like with NOTIFY)", "plugin", "raw_notify", "c_over_b_notify", true},
 			{"c without notify / b", "plugin_nonotify", "raw", "c_nonotify_over_b", true},
+			{"c in db.Transaction / b", "plugin_gormtx", "raw", "c_gormtx_over_b", true},
+			{"c in outbox.Transaction / b", "plugin_tx", "raw", "c_tx_over_b", true},
 			{"gorm/a (GORM over plain insert)", "gorm", "plain", "gorm_over_a", false},
 		} {
 			if q.postgresOnly && eng.name != "postgres" {
@@ -199,7 +206,7 @@ func measureWrites(ctx context.Context, eng writeEngine, variants []writeVariant
 func setupWrite(ctx context.Context, db *gorm.DB, engine, variant string, customers int) (func(context.Context, *rand.Rand) error, error) {
 	var err error
 	switch variant {
-	case "plugin":
+	case "plugin", "plugin_gormtx", "plugin_tx":
 		err = db.Use(outbox.Plugin())
 	case "plugin_nonotify":
 		err = db.Use(outbox.Plugin(outbox.WithNotify(false)))
@@ -260,6 +267,16 @@ VALUES ($1, $2, $3, $4, $5, $6) RETURNING id`
 		return func(ctx context.Context, rnd *rand.Rand) error {
 			o := newOrder(rnd, customers)
 			return db.WithContext(ctx).Create(&o).Error
+		}, nil
+	case "plugin_gormtx":
+		return func(ctx context.Context, rnd *rand.Rand) error {
+			o := newOrder(rnd, customers)
+			return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return tx.Create(&o).Error })
+		}, nil
+	case "plugin_tx":
+		return func(ctx context.Context, rnd *rand.Rand) error {
+			o := newOrder(rnd, customers)
+			return outbox.Transaction(db.WithContext(ctx), func(tx *gorm.DB) error { return tx.Create(&o).Error })
 		}, nil
 	}
 	return nil, fmt.Errorf("unknown write variant %q", variant)
