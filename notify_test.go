@@ -364,6 +364,44 @@ func TestTransactionNotifiesOncePerCommitAndNeverForRollback(t *testing.T) {
 	}
 }
 
+// A notification asked for in a savepoint goes if the savepoint rolls
+// back: a later write in the Transaction asks for its own.
+func TestTransactionNotifiesAfterASavepointWithItsNotificationRolledBack(t *testing.T) {
+	b := notifySetup(t, nil)
+	conn := listenConn(t, b)
+	mustNil(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
+		mustErr(t, tx.Transaction(func(tx *gorm.DB) error {
+			mustNil(t, tx.Create(&Order{Status: "rolled back to the savepoint"}).Error)
+			return errRollback
+		}))
+		return tx.Create(&Order{Status: "committed"}).Error
+	}))
+	if n := countNotifications(conn); n != 1 {
+		t.Fatalf("%d notifications, want 1 for the committed event", n)
+	}
+}
+
+// A transaction begun on another connection inside a Transaction is not
+// that Transaction's: its events wake the dispatchers at its own commit,
+// whatever becomes of the Transaction.
+func TestTransactionOnAnotherConnectionInsideATransactionNotifiesItself(t *testing.T) {
+	b := notifySetup(t, nil)
+	conn := listenConn(t, b)
+	mustErr(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
+		mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
+		mustNil(t, tx.Connection(func(c *gorm.DB) error {
+			return c.Transaction(func(c *gorm.DB) error { return c.Create(&Order{Status: "committed on its own"}).Error })
+		}))
+		return errRollback
+	}))
+	if n := len(b.records(t)); n != 1 {
+		t.Fatalf("%d events stored, want the one committed on its own", n)
+	}
+	if n := countNotifications(conn); n != 1 {
+		t.Fatalf("%d notifications, want 1 for the event committed on its own", n)
+	}
+}
+
 // A Transaction is counted in flight only until it ends, committed or
 // not: a lone transaction after one that rolled back notifies at its own
 // commit again.

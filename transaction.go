@@ -2,7 +2,9 @@ package outbox
 
 import (
 	"database/sql"
+	"reflect"
 	"sync"
+	"sync/atomic"
 
 	"gorm.io/gorm"
 )
@@ -23,10 +25,20 @@ import (
 // do, and commit side by side. The dispatchers of this process are woken
 // after the commit, not before it.
 //
+// That holds for the statements that run on fc's tx and on the chains and
+// sessions of it that keep its statement's settings and connection, and
+// for Publish on the tx that GORM hands a model's hooks. A statement on a
+// new session (gorm.Session with NewDB, as GORM uses for association
+// saves and for the statements of hooks), on a session that wraps the
+// connection anew (PrepareStmt) or on another connection (tx.Connection)
+// writes its events as under db.Transaction: no wake-up is lost, but the
+// transaction notifies at its own commit.
+//
 // Called on a db that is already in a transaction, Transaction is
 // db.Transaction (a savepoint): the commit it would see is not the one
-// that makes the events visible, so their writes notify as under
-// db.Transaction.
+// that makes the events visible. Its writes are then those of the
+// enclosing transaction: counted with the enclosing Transaction if there
+// is one, and notifying as under db.Transaction otherwise.
 func Transaction(db *gorm.DB, fc func(tx *gorm.DB) error, opts ...*sql.TxOptions) error {
 	p, err := pluginOf(db)
 	if err != nil {
@@ -39,7 +51,11 @@ func Transaction(db *gorm.DB, fc func(tx *gorm.DB) error, opts ...*sql.TxOptions
 	defer w.end()
 	// A session of its own, so that the setting stays off db's statement
 	// (db.Set would store it there when db is a chain).
-	if err := db.Session(&gorm.Session{}).Set(txWritesKey, w).Transaction(fc, opts...); err != nil {
+	err = db.Session(&gorm.Session{}).Set(txWritesKey, w).Transaction(func(tx *gorm.DB) error {
+		w.conn = tx.Statement.ConnPool // before any statement of fc's
+		return fc(tx)
+	}, opts...)
+	if err != nil {
 		return err
 	}
 	w.committed()
@@ -50,63 +66,86 @@ func Transaction(db *gorm.DB, fc func(tx *gorm.DB) error, opts ...*sql.TxOptions
 // find its txWrites.
 const txWritesKey = "outbox:transaction"
 
-// txWrites is what a Transaction learns about the event writes in it.
+// txWrites is what a Transaction learns about the event writes in it. Its
+// lock is never held while a statement runs: a write that waits in the
+// database must not keep the Transaction's other statements (or those of
+// a transaction that fc runs on another connection) from starting.
 type txWrites struct {
-	p *OutboxPlugin
+	p     *OutboxPlugin
+	conn  gorm.ConnPool // the transaction's connection, set before fc runs
+	ended atomic.Bool   // the transaction is over: its statements write as any others
 
 	mu       sync.Mutex
-	ended    bool      // the transaction is over: its statements write as any others
 	counted  bool      // counted in OutboxPlugin.ownInFlight
 	notifier *notifier // sends the notification after the commit, if any
-	notified bool      // a write asked the engine to notify at the commit
+	pending  bool      // a write left the notification to the notifier
 	wrote    bool      // a write stored events
 }
 
 // txWritesOf returns the Transaction of p that db's statement runs in, or
-// nil.
+// nil: the statement must carry the setting, and run on the Transaction's
+// own connection while the Transaction lasts.
 func txWritesOf(db *gorm.DB, p *OutboxPlugin) *txWrites {
 	v, _ := db.Get(txWritesKey)
 	w, _ := v.(*txWrites)
-	if w == nil || w.p != p {
-		return nil
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.ended {
+	if w == nil || w.p != p || w.ended.Load() || !sameConn(w.conn, db.Statement.ConnPool) {
 		return nil
 	}
 	return w
 }
 
+// sameConn reports whether a and b are one connection (pool, transaction
+// or prepared-statement wrapper); connections of a type that cannot be
+// compared are taken to differ.
+func sameConn(a, b gorm.ConnPool) bool {
+	if a == nil || b == nil || reflect.TypeOf(a) != reflect.TypeOf(b) || !reflect.ValueOf(a).Comparable() {
+		return false
+	}
+	return a == b
+}
+
 // write stores events through db's connection, in w's transaction, and
 // decides as for a transaction whose commit the plugin sees whether it
-// asks the engine to notify at the commit: not when an earlier write in
-// the transaction did already.
+// asks the engine to notify at the commit. Each write decides for itself:
+// a notification asked for in a savepoint is dropped if the savepoint
+// rolls back. If the Transaction has ended meanwhile (tx used after fc
+// returned), it writes as in the caller's transaction.
 func (w *txWrites) write(db *gorm.DB, events []Event) error {
 	w.mu.Lock()
-	defer w.mu.Unlock()
+	if w.ended.Load() {
+		w.mu.Unlock()
+		_, err := w.p.write(db.Statement.Context, db, db.Statement.ConnPool, events, w.p.notifyInside(nil, false))
+		w.p.wake()
+		return err
+	}
 	if !w.counted {
 		w.counted = true
 		w.p.ownInFlight.Add(1)
 		w.notifier = w.p.notifierFor(db)
 	}
-	notify := !w.notified && w.p.notifyInside(w.notifier, true)
-	notified, err := w.p.write(db.Statement.Context, db, db.Statement.ConnPool, events, notify)
-	w.notified = w.notified || notified
-	// A failed write may have stored some events: a wake-up that finds
-	// nothing costs less than one missed.
-	w.wrote = w.wrote || len(events) > 0
+	n := w.notifier
+	w.mu.Unlock()
+
+	notified, err := w.p.write(db.Statement.Context, db, db.Statement.ConnPool, events, w.p.notifyInside(n, true))
+	if len(events) > 0 {
+		// A failed write may have stored some events: a wake-up that
+		// finds nothing costs less than one missed.
+		w.mu.Lock()
+		w.wrote = true
+		w.pending = w.pending || !notified
+		w.mu.Unlock()
+	}
 	return err
 }
 
 // committed wakes the dispatchers after the transaction committed: this
-// process's directly, the others through the notifier unless a write
+// process's directly, the others through the notifier unless every write
 // asked for a notification at the commit.
 func (w *txWrites) committed() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.wrote {
-		w.p.committed(w.notifier, w.notified)
+		w.p.committed(w.notifier, !w.pending)
 	}
 }
 
@@ -114,7 +153,7 @@ func (w *txWrites) committed() {
 func (w *txWrites) end() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.ended = true
+	w.ended.Store(true)
 	if w.counted {
 		w.counted = false
 		w.p.ownInFlight.Add(-1)
