@@ -347,7 +347,7 @@ func (d *Dispatcher) dispatch(ctx context.Context) (r dispatched, err error) {
 		return dispatched{}, err
 	}
 	batchID, rows, more := c.batchID, c.rows, c.more
-	if c.heldBack && len(rows) < d.batchSize {
+	if c.park && len(rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
 		defer func() {
 			if d.parkBlocked(context.WithoutCancel(ctx), c.slots) && err == nil {

@@ -334,3 +334,39 @@ func TestPostgresDispatcherLooksForItsOwnEventsAmongTheOldestOnly(t *testing.T) 
 		})
 	}
 }
+
+// Rows held back behind an aggregate's blocked head are parked by the
+// dispatcher that holds the aggregate's slot: one that reads the window of
+// all slots because its own have nothing due leaves them to it.
+func TestPostgresDispatcherParksOnlyTheRowsOfItsOwnSlots(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	rs, _ := splitRuns(t, b, 10)
+	held := outbox.HeldSlots(rs[1].d)
+	var agg string
+	for _, name := range aggregateNames(100) {
+		var slot int
+		mustNil(t, b.db.Raw(`SELECT hashtext('agg:' || ?) & 63`, name).Scan(&slot).Error)
+		if held&(1<<slot) != 0 {
+			agg = name
+			break
+		}
+	}
+	deadLetterFirstOf(t, b, agg, 4)
+	parked := func() int64 {
+		var n int64
+		mustNil(t, b.db.Raw(`SELECT count(*) FROM outbox_records WHERE aggregate_id = ? AND aggregate_sequence > 1
+			AND next_attempt_at > now()`, agg).Scan(&n).Error)
+		return n
+	}
+
+	if n := dispatch(t, rs[0].d); n != 0 {
+		t.Fatalf("the other dispatcher delivered %d events behind a dead letter", n)
+	}
+	if n := parked(); n != 0 {
+		t.Fatalf("the other dispatcher parked %d rows of a slot it does not hold", n)
+	}
+	dispatch(t, rs[1].d)
+	if n := parked(); n != 3 {
+		t.Fatalf("the holder of the slot parked %d rows behind its dead letter, want 3", n)
+	}
+}
