@@ -344,61 +344,73 @@ func TestNotificationIsSentOncePerCommitAndNeverForRollback(t *testing.T) {
 	}
 }
 
-func TestTransactionNotifiesOncePerCommitAndNeverForRollback(t *testing.T) {
-	b := notifySetup(t, nil)
-	conn := listenConn(t, b)
-	mustErr(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
-		mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
-		return errRollback
-	}))
-	mustNil(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
-		for range 10 {
-			if err := tx.Create(&Order{Status: "one of ten"}).Error; err != nil {
-				return err
+// TestTransactionNotifications: the events a Transaction's writes store,
+// and the notifications that reach a listener, where writes roll back,
+// nest or run on another connection.
+func TestTransactionNotifications(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		write          func(t *testing.T, db *gorm.DB)
+		stored, notify int
+	}{
+		{"OncePerCommitAndNeverForRollback", func(t *testing.T, db *gorm.DB) {
+			mustErr(t, outbox.Transaction(db, func(tx *gorm.DB) error {
+				mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
+				return errRollback
+			}))
+			mustNil(t, outbox.Transaction(db, func(tx *gorm.DB) error {
+				for range 10 {
+					if err := tx.Create(&Order{Status: "one of ten"}).Error; err != nil {
+						return err
+					}
+				}
+				return outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1"})
+			}))
+		}, 11, 1},
+		// A notification asked for in a savepoint goes if the savepoint
+		// rolls back: a later write asks for its own.
+		{"AfterASavepointWithItsNotificationRolledBack", func(t *testing.T, db *gorm.DB) {
+			mustNil(t, outbox.Transaction(db, func(tx *gorm.DB) error {
+				mustErr(t, tx.Transaction(func(tx *gorm.DB) error {
+					mustNil(t, tx.Create(&Order{Status: "rolled back to the savepoint"}).Error)
+					return errRollback
+				}))
+				return tx.Create(&Order{Status: "committed"}).Error
+			}))
+		}, 1, 1},
+		// A transaction begun on another connection inside a Transaction
+		// is not that Transaction's: it notifies at its own commit,
+		// whatever becomes of the Transaction.
+		{"OnAnotherConnectionInside", func(t *testing.T, db *gorm.DB) {
+			mustErr(t, outbox.Transaction(db, func(tx *gorm.DB) error {
+				mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
+				mustNil(t, tx.Connection(func(c *gorm.DB) error {
+					return c.Transaction(func(c *gorm.DB) error { return c.Create(&Order{Status: "committed on its own"}).Error })
+				}))
+				return errRollback
+			}))
+		}, 1, 1},
+		// Inside the caller's transaction, Transaction is a savepoint, and
+		// its events commit, and notify, with the caller's transaction.
+		{"InsideTheCallersTransaction", func(t *testing.T, db *gorm.DB) {
+			mustErr(t, db.Transaction(func(tx *gorm.DB) error {
+				mustNil(t, outbox.Transaction(tx, func(tx *gorm.DB) error { return tx.Create(&Order{Status: "nested"}).Error }))
+				return errRollback
+			}))
+		}, 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := notifySetup(t, nil)
+			conn := listenConn(t, b)
+			tc.write(t, b.db)
+			if n := len(b.records(t)); n != tc.stored {
+				t.Fatalf("%d events stored, want %d", n, tc.stored)
 			}
-		}
-		return outbox.Publish(tx, outbox.Event{Type: "t", AggregateType: "a", AggregateID: "1"})
-	}))
-	if n := countNotifications(conn); n != 1 {
-		t.Fatalf("%d notifications for a rolled-back transaction and one of eleven events, want 1", n)
-	}
-}
-
-// A notification asked for in a savepoint goes if the savepoint rolls
-// back: a later write in the Transaction asks for its own.
-func TestTransactionNotifiesAfterASavepointWithItsNotificationRolledBack(t *testing.T) {
-	b := notifySetup(t, nil)
-	conn := listenConn(t, b)
-	mustNil(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
-		mustErr(t, tx.Transaction(func(tx *gorm.DB) error {
-			mustNil(t, tx.Create(&Order{Status: "rolled back to the savepoint"}).Error)
-			return errRollback
-		}))
-		return tx.Create(&Order{Status: "committed"}).Error
-	}))
-	if n := countNotifications(conn); n != 1 {
-		t.Fatalf("%d notifications, want 1 for the committed event", n)
-	}
-}
-
-// A transaction begun on another connection inside a Transaction is not
-// that Transaction's: its events wake the dispatchers at its own commit,
-// whatever becomes of the Transaction.
-func TestTransactionOnAnotherConnectionInsideATransactionNotifiesItself(t *testing.T) {
-	b := notifySetup(t, nil)
-	conn := listenConn(t, b)
-	mustErr(t, outbox.Transaction(b.db, func(tx *gorm.DB) error {
-		mustNil(t, tx.Create(&Order{Status: "rolled back"}).Error)
-		mustNil(t, tx.Connection(func(c *gorm.DB) error {
-			return c.Transaction(func(c *gorm.DB) error { return c.Create(&Order{Status: "committed on its own"}).Error })
-		}))
-		return errRollback
-	}))
-	if n := len(b.records(t)); n != 1 {
-		t.Fatalf("%d events stored, want the one committed on its own", n)
-	}
-	if n := countNotifications(conn); n != 1 {
-		t.Fatalf("%d notifications, want 1 for the event committed on its own", n)
+			if n := countNotifications(conn); n != tc.notify {
+				t.Fatalf("%d notifications, want %d", n, tc.notify)
+			}
+		})
 	}
 }
 
@@ -417,23 +429,6 @@ func TestTransactionThatRolledBackLeavesTheNextOneAlone(t *testing.T) {
 	n := awaitNotification(t, conn)
 	if writer, _ := pids.Load("alone"); n.PID != writer {
 		t.Fatalf("notification from backend %d, want it from the writer %d", n.PID, writer)
-	}
-}
-
-// Inside the caller's transaction, Transaction is a savepoint, and its
-// events commit, and notify, with the caller's transaction.
-func TestTransactionInsideATransactionCommitsWithIt(t *testing.T) {
-	b := notifySetup(t, nil)
-	conn := listenConn(t, b)
-	mustErr(t, b.db.Transaction(func(tx *gorm.DB) error {
-		mustNil(t, outbox.Transaction(tx, func(tx *gorm.DB) error { return tx.Create(&Order{Status: "nested"}).Error }))
-		return errRollback
-	}))
-	if n := len(b.records(t)); n != 0 {
-		t.Fatalf("%d events stored after the outer transaction rolled back, want 0", n)
-	}
-	if n := countNotifications(conn); n != 0 {
-		t.Fatalf("%d notifications for a rolled-back transaction, want 0", n)
 	}
 }
 
