@@ -105,7 +105,8 @@ func setState(db *gorm.DB, st *writeState) {
 // events has committed. Inside the caller's transaction, whose commit no
 // callback sees, it can only nudge this process's dispatchers, before the
 // commit (Dispatcher.Run then looks again shortly); the write itself asked
-// PostgreSQL to notify the others at commit.
+// PostgreSQL to notify the others at commit. Inside a Transaction it does
+// nothing: the Transaction wakes them after its commit.
 func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
 	st := stateOf(db)
 	if st == nil {

@@ -6,9 +6,9 @@ import (
 
 // Publish records events that are not tied to a model write, through tx's
 // connection: inside the caller's transaction when tx is one (typically the
-// tx of db.Transaction), so that the events commit if and only if it does.
-// Called outside a transaction, Publish opens one for the events alone, so
-// that they are written all or none.
+// tx of db.Transaction or of [Transaction]), so that the events commit if
+// and only if it does. Called outside a transaction, Publish opens one for
+// the events alone, so that they are written all or none.
 //
 // Every event is validated and encoded before anything is written; an
 // invalid one fails the whole call with an error wrapping
