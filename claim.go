@@ -95,6 +95,7 @@ type claimArgs struct {
 	leaseEnd time.Time
 	batchID  string
 	limit    int
+	plan     string // leads the text of a runs claim (Dispatcher.planTag)
 }
 
 // dueSQL is the due predicate on the records table alias a: pending or
@@ -207,12 +208,15 @@ func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64)
 		if len(win) > 0 {
 			d.accepted.serverStarted(win[0].serverStart)
 		}
+		for _, w := range win {
+			d.sawID(w.id)
+		}
 		ids, err := d.pickOldest(ctx, q, win)
 		if err != nil || len(ids) == 0 {
 			return err
 		}
 		in, idArgs := d.d.idsIn(ids)
-		return queryScan(ctx, q, d.d.bind(leaseSQL(d.d, d.t, "id "+in)), append(leaseArgs(d.d, a), idArgs...), func(res *sql.Rows) error {
+		return queryScan(ctx, q, d.planTag()+d.d.bind(leaseSQL(d.d, d.t, "id "+in)), append(leaseArgs(d.d, a), idArgs...), func(res *sql.Rows) error {
 			rows, err = scanLeased(res, len(ids))
 			return err
 		})
@@ -359,6 +363,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 		leaseEnd: now.Add(d.lease),
 		batchID:  uuid.Must(uuid.NewV7()).String(),
 		limit:    d.batchSize,
+		plan:     d.planTag(),
 	}
 	own := d.ownSlots()
 	r := claimResult{batchID: a.batchID}
@@ -452,6 +457,9 @@ func (d *Dispatcher) claimRuns(ctx context.Context, a claimArgs) (rows []claimed
 	})
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	for _, r := range rows {
+		d.sawID(r.id)
 	}
 	return rows, nil
 }
@@ -634,10 +642,10 @@ func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time
 	if len(blockers) == 0 {
 		return 0, nil
 	}
-	query := d.d.bind(`UPDATE ` + d.t.records + ` SET next_attempt_at = ?, updated_at = ?
+	query := d.planTag() + d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
 WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence > ?
 	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?
-	AND EXISTS (SELECT 1 FROM ` + d.t.records + ` h
+	AND EXISTS (SELECT 1 FROM `+d.t.records+` h
 		WHERE h.aggregate_type = ? AND h.aggregate_id = ? AND h.aggregate_sequence = ?
 			AND h.delivery_state = ?)`)
 	ts := d.d.timeArg(now)

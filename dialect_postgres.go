@@ -195,7 +195,7 @@ ORDER BY u.i`, types, ids, seqs)
 func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
 	now := d.timeArg(a.now)
 	args := append(leaseArgs(d, a), now, scanWindow(a.limit), now, a.limit, now, a.limit, a.limit)
-	return queryScan(ctx, db.Statement.ConnPool, runsSQL(t), args, scan)
+	return queryScan(ctx, db.Statement.ConnPool, a.plan+runsSQL(t), args, scan)
 }
 
 // runsSQL is the run claim. Its arguments: those of leaseSQL, then now,

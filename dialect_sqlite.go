@@ -171,7 +171,7 @@ func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a c
 			return err
 		}
 		in, idArgs := d.idsIn(ids)
-		return queryScan(ctx, conn, leaseSQL(d, t, "id "+in), append(leaseArgs(d, a), idArgs...), scan)
+		return queryScan(ctx, conn, a.plan+leaseSQL(d, t, "id "+in), append(leaseArgs(d, a), idArgs...), scan)
 	})
 }
 

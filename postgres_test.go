@@ -214,3 +214,51 @@ func openPool(t *testing.T, dsn string) *sql.DB {
 	t.Cleanup(func() { db.Close() })
 	return db
 }
+
+// The lease and the settle find a batch's rows by primary key however the
+// table grew after the connection first ran them. The driver prepares
+// statements once per connection, and PostgreSQL plans a prepared
+// statement once for all arguments from its sixth run on, from what it
+// knows of the table then: made while the table was nearly empty, such a
+// plan reads every row, or every due row, and goes on doing so as the
+// table grows until the table is analysed again, which here, autovacuum
+// off, it never is.
+func TestPostgresDispatchReadsOnlyItsRowsOfATableThatGrew(t *testing.T) {
+	b := setup(t, outboxtest.Postgres, nil)
+	sqlDB, err := b.db.DB()
+	mustNil(t, err)
+	sqlDB.SetMaxOpenConns(1) // the dispatcher's statements and the statistics' flush share one backend
+	d := newDispatcher(t, b.db, &recorder{})
+	for i := range 8 {
+		publishN(t, b.db, fmt.Sprint("small-", i), 1)
+		if n := dispatch(t, d); n != 1 {
+			t.Fatalf("dispatch %d on the small table delivered %d, want 1", i, n)
+		}
+	}
+	// 20,000 rows delivered and 20,000 due in a day, not analysed.
+	mustNil(t, b.db.Exec(`INSERT INTO outbox_records (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+		idempotency_key, payload, delivery_state, next_attempt_at, occurred_at, created_at, updated_at)
+		SELECT 'e'||g, 't', 'big', g::text, 1, 'k'||g, '{"some":"payload"}', CASE WHEN g % 2 = 0 THEN 'pending' ELSE 'delivered' END,
+			now() + interval '1 day', now(), now(), now() FROM generate_series(1, 40000) g`).Error)
+	publishN(t, b.db, "after", 1)
+
+	before := blocksTouched(t, b.db)
+	if n := dispatch(t, d); n != 1 {
+		t.Fatalf("dispatch on the big table delivered %d, want 1", n)
+	}
+	if touched := blocksTouched(t, b.db) - before; touched > 300 {
+		t.Fatalf("dispatching one event of a table of %d rows touched %d blocks of it and its indexes, want a few dozen", 40009, touched)
+	}
+}
+
+// blocksTouched returns how many blocks of the outbox table and its
+// indexes the statements so far read, on a pool of one connection: it
+// flushes that backend's statistics first.
+func blocksTouched(t *testing.T, db *gorm.DB) int64 {
+	t.Helper()
+	mustNil(t, db.Exec(`SELECT pg_stat_force_next_flush()`).Error)
+	var n int64
+	mustNil(t, db.Raw(`SELECT heap_blks_hit + heap_blks_read + coalesce(idx_blks_hit, 0) + coalesce(idx_blks_read, 0)
+		FROM pg_statio_user_tables WHERE relid = 'outbox_records'::regclass`).Scan(&n).Error)
+	return n
+}

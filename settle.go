@@ -123,7 +123,8 @@ type settleKey struct {
 
 // settleGroup applies one outcome to the rows ids, by primary key (the
 // planner answers an IN list with the primary key index whatever it thinks
-// of batch_id), and returns how many it updated. Delivered rows count
+// of batch_id, given a plan made for the table's size: plan.go), and
+// returns how many it updated. Delivered rows count
 // their attempt in SQL, so that they share one statement.
 func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []int64, now time.Time) (int, error) {
 	attempts := "?"
@@ -150,7 +151,7 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 	in, idArgs := d.d.idsIn(ids)
 	args = append(args, idArgs...)
 	args = append(args, batchID)
-	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
+	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.planTag()+d.d.bind(`UPDATE `+d.t.records+` SET
 	delivery_state = ?, delivery_attempts = `+attempts+`, next_attempt_at = ?, last_error = `+lastErr+`,
 	locked_until = NULL, delivered_at = ?, updated_at = ?
 WHERE id `+in+` AND batch_id = ? AND delivery_state = 'delivering'`+d.d.asyncCommit()), args...)

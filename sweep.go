@@ -50,7 +50,7 @@ func (d *Dispatcher) RetryFailedWhere(ctx context.Context, f RetryFilter) (int, 
 	}
 	ts := d.d.timeArg(now)
 	args = append([]any{ts, ts}, append(args, limit)...)
-	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET
+	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.planTag()+d.d.bind(`UPDATE `+d.t.records+` SET
 	delivery_state = 'pending', delivery_attempts = 0, next_attempt_at = ?, updated_at = ?,
 	locked_until = NULL, batch_id = NULL
 WHERE id IN (
@@ -96,7 +96,7 @@ func (d *Dispatcher) unpark(ctx context.Context, aggregates map[[2]string]bool, 
 		rows = append(rows, "(?, ?)")
 		args = append(args, agg[0], agg[1])
 	}
-	_, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
+	_, err := d.db.Statement.ConnPool.ExecContext(ctx, d.planTag()+d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
 WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > ?
 	AND (aggregate_type, aggregate_id) IN (VALUES `+strings.Join(rows, ", ")+`)`), args...)
 	if err != nil {
@@ -114,7 +114,7 @@ func (d *Dispatcher) Cleanup(ctx context.Context) (int, error) {
 	cutoff := d.d.timeArg(time.Now().Add(-d.retention))
 	total := 0
 	for {
-		res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.d.bind(`DELETE FROM `+d.t.records+` WHERE id IN (
+		res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.planTag()+d.d.bind(`DELETE FROM `+d.t.records+` WHERE id IN (
 	SELECT id FROM `+d.t.records+` WHERE delivery_state = 'delivered' AND delivered_at < ?
 	ORDER BY delivered_at LIMIT ?`+d.d.skipLocked()+`
 )`), cutoff, d.sweepLimit)
