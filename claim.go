@@ -95,7 +95,7 @@ type claimArgs struct {
 	leaseEnd time.Time
 	batchID  string
 	limit    int
-	plan     string // leads the text of a runs claim (Dispatcher.planTag)
+	plan     string // leads the text of a runs claim (plan.go)
 }
 
 // dueSQL is the due predicate on the records table alias a: pending or
@@ -200,7 +200,7 @@ func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64)
 		args = []any{now, slotScan(a.limit, slots), int64(slots), now, a.limit}
 	}
 	err = d.d.claimTx(ctx, d.db, func(q querier) error {
-		win, err := readWindow(ctx, q, d.d.bind(query), args...)
+		win, err := readWindow(ctx, q, d.planTag()+d.d.bind(query), args...)
 		if err != nil {
 			return fmt.Errorf("window: %w", err)
 		}
@@ -430,6 +430,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	// and topped up again, at every claim.
 	taken := len(r.rows)
 	a.limit -= taken
+	a.plan = d.planTag() // after the windows' ids
 	runs, err := d.claimRuns(ctx, a)
 	switch {
 	case err != nil && taken == 0:
@@ -592,7 +593,7 @@ func (d *Dispatcher) blockers(ctx context.Context, now time.Time, slots uint64) 
 		args = []any{ts, slotScan(scanWindow(d.batchSize), slots), int64(slots)}
 	}
 	args = append(args, ts, d.d.timeArg(now.Add(d.lease)))
-	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`WITH seen AS MATERIALIZED (
+	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.planTag()+d.d.bind(`WITH seen AS MATERIALIZED (
 	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
 		SELECT r.aggregate_type, r.aggregate_id, r.aggregate_sequence`+slotCol+` FROM `+t.records+` r
 		WHERE `+dueSQL("r")+`

@@ -68,6 +68,12 @@ type dialect interface {
 	// a value the driver cannot read fails to scan (scanTime) rather than
 	// reading as the zero time.
 	readTime(column string) string
+	// planComment returns what leads the text of the dispatcher's
+	// statements when the highest row id it has read is below 2^k: a
+	// comment naming k where the driver or the engine keeps plans of
+	// prepared statements (plan.go), so that they are planned anew as
+	// the ids double; nothing elsewhere.
+	planComment(k int) string
 	// checkPool reports why db's connection pool cannot serve a
 	// dispatcher's claims, if it cannot.
 	checkPool(db *gorm.DB) error

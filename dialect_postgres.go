@@ -146,6 +146,12 @@ func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier
 	return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return fn(tx.Statement.ConnPool) })
 }
 
+// planComment: pgx prepares and keeps statements, and PostgreSQL may
+// keep one plan of a prepared statement for all its arguments (plan.go).
+func (postgresDialect) planComment(k int) string {
+	return "/* outbox: ids below 2^" + strconv.Itoa(k) + " */ "
+}
+
 // checkPool: claimTx begins its transaction through GORM, which needs a
 // pool that can begin one.
 func (postgresDialect) checkPool(db *gorm.DB) error {

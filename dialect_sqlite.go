@@ -102,6 +102,11 @@ func (sqliteDialect) readTime(column string) string { return "CAST(" + column + 
 // says otherwise; in WAL mode NORMAL syncs only at checkpoints).
 func (sqliteDialect) asyncCommit() string { return "" }
 
+// planComment is empty: the SQLite driver prepares, and so plans, a
+// statement anew for each run of it, and a comment would only multiply
+// the statements that GORM's PrepareStmt keeps.
+func (sqliteDialect) planComment(int) string { return "" }
+
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
 
 // rejectsData: SQLite stores any text it is given; encode has checked it.

@@ -118,7 +118,7 @@ type Dispatcher struct {
 	staleSlots  atomic.Uint64 // slots of silent dispatchers, claimed too
 	holding     atomic.Bool   // a Run of this dispatcher keeps its slots
 	dispatching atomic.Int64  // unix nanoseconds when Run's dispatch in progress began, or 0
-	claimedID   atomic.Int64  // the highest row id a claim has read (plan.go)
+	readID      atomic.Int64  // the highest row id a claim has read (plan.go)
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].

@@ -1,50 +1,61 @@
 package outbox
 
-import (
-	"math/bits"
-	"strconv"
-)
+import "math/bits"
 
-// Plans of the dispatcher's writes.
+// Plans of the dispatcher's statements.
 //
-// The lease, the settle, parking and the sweeps find their rows by primary
-// key or by aggregate, which suits a table of any size, provided the
-// database plans them for the table it has. pgx, GORM's PostgreSQL driver,
-// prepares each statement once per connection and caches it by its text
-// (as GORM's PrepareStmt does with any driver), and PostgreSQL plans a
-// prepared statement once for all its arguments from its sixth run on,
-// from what it knows of the table at that time. Made while the table was
-// nearly empty, that plan reads all of it (seen: a sequential scan for the
-// lease, a bitmap scan of every due row for the settle), and goes on doing
-// so as the table grows, until the table is next analysed, which with
-// autovacuum off is never: a table of 40,000 rows, most of them delivered
-// or not yet due, had the dispatch of one event touch 1,651 of its blocks
-// instead of 44.
+// The window reads, the lease, the settle, parking and the sweeps find
+// their rows through the primary key, the due index or the aggregate
+// index, which suits a table of any size, provided the database plans
+// them for the table it has. pgx, GORM's PostgreSQL driver, prepares each
+// statement once per connection and keeps it by its text (as GORM's
+// PrepareStmt does), and from a prepared statement's sixth run on
+// PostgreSQL may keep one plan for all arguments (when, as is usual for
+// these statements, its estimated cost is not above that of the plans
+// made for the first five runs' arguments), made from what it knew of the
+// table then. Made while the table was nearly empty, that plan reads all
+// of it (seen: a sequential scan for the lease, a bitmap scan of every due
+// row for the settle), and goes on doing so as the table grows, until the
+// table is next analysed or vacuumed, which with autovacuum off is never:
+// on a table of 40,000 rows, most of them delivered or not yet due,
+// dispatching two events touched 1,692 blocks of the table and its
+// indexes instead of 88.
 //
-// So the text of each write starts with a comment naming the power of two
-// above the highest row id the dispatcher has claimed. When that doubles,
-// the driver prepares the write anew, and the database plans it for the
-// table as it is now. A plan thus serves at most until the ids the
-// dispatcher claims have doubled since it was made; once the table is
-// big enough for its primary key to beat reading it whole, each new plan
-// keeps to the primary key. A dispatcher prepares its writes anew a few
-// dozen times in its life, most of them in its first batches. Planning
-// every run instead (unnamed statements) cost every lease and settle
-// about 0.35 ms on the benchmark machine, a tenth of a 100-row batch.
+// So on PostgreSQL the text of these statements starts with a comment
+// naming the power of two above the highest row id the dispatcher has
+// read (dialect.planComment). When that doubles, the driver prepares them
+// anew, and the database plans them for the table as it is now: about
+// once per doubling of the ids, that is some thirty times over a billion
+// events, most of them in the first minutes of a table that starts empty,
+// and once or twice for a dispatcher that starts on a grown table. Once
+// the table is big enough for an index to beat reading it whole, each new
+// plan keeps to the index. A plan made for a small table serves until the
+// ids double, while the table may grow by as many rows; that matters only
+// where the ids are large and the table small, as after Cleanup emptied
+// it: a plan made then may read the table whole until the ids double
+// again, or the table is analysed.
+// Planning every run instead (unnamed statements) cost every lease and
+// settle about 0.35 ms on the benchmark machine, a tenth of a 100-row
+// batch.
+//
+// The sweeps' statements carry the comment too, with the ids that claims
+// read. A dispatcher that only sweeps (a Scheduler without dispatch) keeps
+// its first plans; made on a small table, those were seen to keep to their
+// indexes as it grew (TestPostgresSweepsReadLittleOfATableThatGrew).
 
-// sawID records that a claim read the row id.
+// sawID records that the dispatcher read the row id.
 func (d *Dispatcher) sawID(id int64) {
 	for {
-		seen := d.claimedID.Load()
-		if id <= seen || d.claimedID.CompareAndSwap(seen, id) {
+		seen := d.readID.Load()
+		if id <= seen || d.readID.CompareAndSwap(seen, id) {
 			return
 		}
 	}
 }
 
-// planTag is the comment that leads the text of the dispatcher's writes:
-// it changes each time the highest row id the dispatcher has claimed
-// doubles.
+// planTag is what leads the text of the dispatcher's statements: on
+// PostgreSQL, a comment that changes each time the highest row id the
+// dispatcher has read doubles.
 func (d *Dispatcher) planTag() string {
-	return "/* outbox: ids below 2^" + strconv.Itoa(bits.Len64(uint64(d.claimedID.Load()))) + " */ "
+	return d.d.planComment(bits.Len64(uint64(d.readID.Load())))
 }
