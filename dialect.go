@@ -69,7 +69,8 @@ type dialect interface {
 	// reading as the zero time.
 	readTime(column string) string
 	// planComment returns what leads the text of the dispatcher's
-	// statements when the highest row id it has read is below 2^k: a
+	// windows, leases, settles, parking and sweeps (plan.go) when the
+	// highest row id its claims have read is below 2^k: a
 	// comment naming k where the driver or the engine keeps plans of
 	// prepared statements (plan.go), so that they are planned anew as
 	// the ids double; nothing elsewhere.

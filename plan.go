@@ -53,9 +53,9 @@ func (d *Dispatcher) sawID(id int64) {
 	}
 }
 
-// planTag is what leads the text of the dispatcher's statements: on
-// PostgreSQL, a comment that changes each time the highest row id the
-// dispatcher has read doubles.
+// planTag is what leads the text of the statements named above (not the
+// order check's lookup, nor Stats): on PostgreSQL, a comment that changes
+// each time the highest row id the dispatcher's claims have read doubles.
 func (d *Dispatcher) planTag() string {
 	return d.d.planComment(bits.Len64(uint64(d.readID.Load())))
 }
