@@ -69,11 +69,11 @@ type dialect interface {
 	// reading as the zero time.
 	readTime(column string) string
 	// planComment returns what leads the text of the dispatcher's
-	// windows, leases, settles, parking and sweeps (plan.go) when the
-	// highest row id its claims have read is below 2^k: a
-	// comment naming k where the driver or the engine keeps plans of
-	// prepared statements (plan.go), so that they are planned anew as
-	// the ids double; nothing elsewhere.
+	// windows, leases, settles, parking and sweeps when the highest row
+	// id its claims have read is below 2^k: a comment naming k where the
+	// driver or the engine keeps plans of prepared statements, so that
+	// they are planned anew as the ids double (plan.go); nothing
+	// elsewhere.
 	planComment(k int) string
 	// checkPool reports why db's connection pool cannot serve a
 	// dispatcher's claims, if it cannot.

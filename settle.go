@@ -124,8 +124,8 @@ type settleKey struct {
 // settleGroup applies one outcome to the rows ids, by primary key (the
 // planner answers an IN list with the primary key index whatever it thinks
 // of batch_id, given a plan made for the table's size: plan.go), and
-// returns how many it updated. Delivered rows count
-// their attempt in SQL, so that they share one statement.
+// returns how many it updated. Delivered rows count their attempt in SQL,
+// so that they share one statement.
 func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []int64, now time.Time) (int, error) {
 	attempts := "?"
 	args := []any{k.state}
