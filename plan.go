@@ -33,9 +33,9 @@ import "math/bits"
 // ids double, while the table may grow by as many rows; that matters only
 // where the ids are large and the table small, as after Cleanup emptied
 // it: a plan made then may read the table whole until the ids double
-// again, or the table is analysed. Planning every run instead (unnamed statements) cost every lease and
-// settle about 0.35 ms on the benchmark machine, a tenth of a 100-row
-// batch.
+// again, or the table is analysed. Planning every run instead (unnamed
+// statements) cost every lease and settle about 0.35 ms on the benchmark
+// machine, a tenth of a 100-row batch.
 //
 // The sweeps' statements carry the comment too, with the ids that claims
 // read. A dispatcher that only sweeps (a Scheduler without dispatch) keeps
