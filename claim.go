@@ -78,6 +78,9 @@ import (
 // dispatcher draining a backlog is nearly every aggregate: it cost a
 // 1,000-row claim another 2 to 3 ms, two heap fetches per aggregate for
 // the index entries that the earlier versions of that event left behind.
+// On PostgreSQL, BEGIN travels with the window and COMMIT with the lease
+// (dialect_postgres_claim.go), so the transaction costs two round trips
+// when the lookup is skipped.
 //
 // Either way a claim writes exactly the rows it leases: no row is
 // rewritten to be held back. Rows that are due but not heads are stepped
@@ -199,7 +202,7 @@ func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64)
 		query = d.d.slotLocks().window(d.t, d.d.serverStart())
 		args = []any{now, slotScan(a.limit, slots), int64(slots), now, a.limit}
 	}
-	err = d.d.claimTx(ctx, d.db, func(q querier) error {
+	err = d.d.claimTx(ctx, d.db, func(q claimQuerier) error {
 		win, err := readWindow(ctx, q, d.planTag()+d.d.bind(query), args...)
 		if err != nil {
 			return fmt.Errorf("window: %w", err)
@@ -216,10 +219,15 @@ func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64)
 			return err
 		}
 		in, idArgs := d.d.idsIn(ids)
-		return queryScan(ctx, q, d.planTag()+d.d.bind(leaseSQL(d.d, d.t, "id "+in)), append(leaseArgs(d.d, a), idArgs...), func(res *sql.Rows) error {
-			rows, err = scanLeased(res, len(ids))
+		res, err := q.lease(ctx, d.planTag()+d.d.bind(leaseSQL(d.d, d.t, "id "+in)), append(leaseArgs(d.d, a), idArgs...)...)
+		if err != nil {
 			return err
-		})
+		}
+		rows, err = scanLeased(res, len(ids))
+		if cerr := res.Close(); err == nil {
+			err = cerr
+		}
+		return err
 	})
 	if err != nil {
 		return nil, 0, err
@@ -228,13 +236,16 @@ func (d *Dispatcher) claimOldest(ctx context.Context, a claimArgs, slots uint64)
 }
 
 // readWindow runs the window query.
-func readWindow(ctx context.Context, q querier, query string, args ...any) ([]windowRow, error) {
-	res, err := q.QueryContext(ctx, query, args...)
+func readWindow(ctx context.Context, q querier, query string, args ...any) (win []windowRow, err error) {
+	res, err := q.query(ctx, query, args...)
 	if err != nil {
 		return nil, err
 	}
-	defer res.Close()
-	var win []windowRow
+	defer func() {
+		if cerr := res.Close(); err == nil {
+			err = cerr
+		}
+	}()
 	for res.Next() {
 		var (
 			w       windowRow
@@ -311,8 +322,8 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 
 // queryScan runs one claim statement on q, a pool or a connection, and
 // hands its rows to scan.
-func queryScan(ctx context.Context, q querier, query string, args []any, scan func(*sql.Rows) error) error {
-	res, err := q.QueryContext(ctx, query, args...)
+func queryScan(ctx context.Context, q querier, query string, args []any, scan func(resultRows) error) error {
+	res, err := q.query(ctx, query, args...)
 	if err != nil {
 		return err
 	}
@@ -452,7 +463,7 @@ const runsPolls = 10
 
 // claimRuns leases up to a.limit rows as runs.
 func (d *Dispatcher) claimRuns(ctx context.Context, a claimArgs) (rows []claimed, err error) {
-	err = d.d.claimRuns(ctx, d.db, d.t, a, func(res *sql.Rows) error {
+	err = d.d.claimRuns(ctx, d.db, d.t, a, func(res resultRows) error {
 		rows, err = scanLeased(res, a.limit)
 		return err
 	})
@@ -471,7 +482,7 @@ func (d *Dispatcher) claimRuns(ctx context.Context, a claimArgs) (rows []claimed
 // by another program) is returned with bad set, to be dead-lettered, not
 // published: failing the claim would leave it at the head of the due rows,
 // failing every claim after it.
-func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
+func scanLeased(res resultRows, want int) ([]claimed, error) {
 	rows := make([]claimed, 0, want)
 	for res.Next() {
 		var (

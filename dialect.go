@@ -35,9 +35,9 @@ type dialect interface {
 	// claimTx runs fn, an oldest-first claim's window read, order check
 	// and lease, in one short transaction in which the rows the window
 	// read stay locked (FOR UPDATE on PostgreSQL, the database's write
-	// lock on SQLite) until it commits. An error anywhere in fn rolls the
-	// whole claim back.
-	claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error
+	// lock on SQLite) until it commits. An error in fn before the lease
+	// rolls the whole claim back; see claimQuerier for one after it.
+	claimTx(ctx context.Context, db *gorm.DB, fn func(q claimQuerier) error) error
 	// undelivered reports, for each event, whether its row exists and is
 	// not delivered, in one statement on q (or a few, for a long list on
 	// SQLite), each lookup through the aggregate index.
@@ -48,7 +48,7 @@ type dialect interface {
 	// scan fails on (the driver failing, not a row that cannot be read
 	// into a message: scanLeased returns that one) stay leased until their
 	// lease passes; on SQLite a scan error rolls the claim back.
-	claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error
+	claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(resultRows) error) error
 	// idsIn returns the condition that a bigint column is one of ids, to
 	// follow the column's name, and its arguments: one array argument
 	// where the engine has arrays, so that the statement's text and plan
@@ -96,9 +96,49 @@ type dialect interface {
 	rejectsData(err error) bool
 }
 
-// querier runs a query on a pool, a connection or a transaction.
+// resultRows is the result of one of a claim's statements: *sql.Rows, or the
+// rows of a statement sent together with others (dialect_postgres_claim.go).
+type resultRows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+	Close() error
+}
+
+// querier runs one of a claim's statements and returns its rows.
 type querier interface {
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	query(ctx context.Context, query string, args ...any) (resultRows, error)
+}
+
+// claimQuerier is the transaction of an oldest-first claim (claimTx).
+type claimQuerier interface {
+	querier
+	// lease runs the claim's last statement, the lease. Where the dialect
+	// can, the commit travels with it, and Close of its rows reports the
+	// commit: the lease has then committed once its rows can be read, and
+	// rows that fail to scan (the driver failing) stay leased until the
+	// lease passes, as with claimRuns on PostgreSQL.
+	lease(ctx context.Context, query string, args ...any) (resultRows, error)
+}
+
+// sqlQuerier is a querier, and a claimQuerier that commits after fn, on
+// a database/sql pool, connection or transaction.
+type sqlQuerier struct {
+	q interface {
+		QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	}
+}
+
+func (s sqlQuerier) query(ctx context.Context, query string, args ...any) (resultRows, error) {
+	res, err := s.q.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err // not a nil *sql.Rows in a non-nil interface
+	}
+	return res, nil
+}
+
+func (s sqlQuerier) lease(ctx context.Context, query string, args ...any) (resultRows, error) {
+	return s.query(ctx, query, args...)
 }
 
 // dialectOf returns the dialect for db's engine.

@@ -136,24 +136,15 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-// claimTx runs fn in a transaction of its own, begun by GORM on db's
-// connection pool (whatever kind of pool db was opened with). The window's
-// FOR UPDATE SKIP LOCKED keeps its rows from other claims until the
-// commit, so that claims running side by side read disjoint windows; a
-// row of an aggregate that another claim's window holds leaves a gap, or
-// its predecessor is undelivered.
-func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {
-	return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return fn(tx.Statement.ConnPool) })
-}
-
 // planComment: pgx prepares and keeps statements, and PostgreSQL may
 // keep one plan of a prepared statement for all its arguments (plan.go).
 func (postgresDialect) planComment(k int) string {
 	return "/* outbox: ids below 2^" + strconv.Itoa(k) + " */ "
 }
 
-// checkPool: claimTx begins its transaction through GORM, which needs a
-// pool that can begin one.
+// checkPool: claimTx takes a connection of the *sql.DB behind the pool,
+// or, on a pool with none (a wrapper), begins its transaction through
+// GORM, which needs a pool that can begin one.
 func (postgresDialect) checkPool(db *gorm.DB) error {
 	switch db.Statement.ConnPool.(type) {
 	case gorm.TxBeginner, gorm.ConnPoolBeginner:
@@ -171,7 +162,7 @@ func (postgresDialect) undelivered(ctx context.Context, q querier, t tables, eve
 	for i, e := range events {
 		types[i], ids[i], seqs[i] = e.agg.typ, e.agg.id, e.seq
 	}
-	res, err := q.QueryContext(ctx, `SELECT EXISTS (
+	res, err := q.query(ctx, `SELECT EXISTS (
 	SELECT 1 FROM `+t.records+` p
 	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
 		AND p.delivery_state <> 'delivered')
@@ -198,10 +189,10 @@ ORDER BY u.i`, types, ids, seqs)
 // the end of a run and leaves a prefix of it. PostgreSQL runs a LATERAL
 // subquery with its own LIMIT only as the inner side of a nested loop, and
 // never in parallel under UPDATE, so no other plan can reorder those rows.
-func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(resultRows) error) error {
 	now := d.timeArg(a.now)
 	args := append(leaseArgs(d, a), now, scanWindow(a.limit), now, a.limit, now, a.limit, a.limit)
-	return queryScan(ctx, db.Statement.ConnPool, a.plan+runsSQL(t), args, scan)
+	return queryScan(ctx, sqlQuerier{db.Statement.ConnPool}, a.plan+runsSQL(t), args, scan)
 }
 
 // runsSQL is the run claim. Its arguments: those of leaseSQL, then now,

@@ -118,8 +118,8 @@ func (sqliteDialect) slotLocks() slotLocks { return nil }
 
 // claimTx runs fn inside immediate, so that the window's read and the
 // lease see one state of the database.
-func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(querier) error) error {
-	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
+func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(claimQuerier) error) error {
+	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(sqlQuerier{conn}) })
 }
 
 // checkPool: immediate takes a connection of its own from db.DB(), which
@@ -146,7 +146,7 @@ func (sqliteDialect) undelivered(ctx context.Context, q querier, t tables, event
 		for i, e := range chunk {
 			args = append(args, i, e.agg.typ, e.agg.id, e.seq)
 		}
-		res, err := q.QueryContext(ctx, `SELECT EXISTS (
+		res, err := q.query(ctx, `SELECT EXISTS (
 	SELECT 1 FROM `+t.records+` p
 	WHERE p.aggregate_type = u.column2 AND p.aggregate_id = u.column3 AND p.aggregate_sequence = u.column4
 		AND p.delivery_state <> 'delivered')
@@ -169,14 +169,14 @@ ORDER BY u.column1`, args...)
 // costs no further query; follows the run of the others, in sequence order
 // until the first row that is not due or not the next sequence; and leases
 // what it picked in one statement.
-func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(*sql.Rows) error) error {
+func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(resultRows) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error {
 		ids, err := d.pick(ctx, conn, t, a)
 		if err != nil || len(ids) == 0 {
 			return err
 		}
 		in, idArgs := d.idsIn(ids)
-		return queryScan(ctx, conn, a.plan+leaseSQL(d, t, "id "+in), append(leaseArgs(d, a), idArgs...), scan)
+		return queryScan(ctx, sqlQuerier{conn}, a.plan+leaseSQL(d, t, "id "+in), append(leaseArgs(d, a), idArgs...), scan)
 	})
 }
 

@@ -1,7 +1,6 @@
 package outbox
 
 import (
-	"database/sql"
 	"fmt"
 	"time"
 )
@@ -38,7 +37,7 @@ func (s *scanTime) parse(v string) error {
 
 // scanBools reads a one-column boolean result that must have exactly n
 // rows, and closes it.
-func scanBools(res *sql.Rows, n int) ([]bool, error) {
+func scanBools(res resultRows, n int) ([]bool, error) {
 	defer res.Close()
 	out := make([]bool, 0, n)
 	for res.Next() {
