@@ -78,9 +78,9 @@ import (
 // dispatcher draining a backlog is nearly every aggregate: it cost a
 // 1,000-row claim another 2 to 3 ms, two heap fetches per aggregate for
 // the index entries that the earlier versions of that event left behind.
-// On PostgreSQL, BEGIN travels with the window and COMMIT with the lease
-// (dialect_postgres_claim.go), so the transaction costs two round trips
-// when the lookup is skipped.
+// On PostgreSQL with the pgx driver, BEGIN travels with the window and
+// COMMIT with the lease (dialect_postgres_claim.go), so the transaction
+// costs two round trips when the lookup is skipped.
 //
 // Either way a claim writes exactly the rows it leases: no row is
 // rewritten to be held back. Rows that are due but not heads are stepped

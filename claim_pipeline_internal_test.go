@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"slices"
 	"strings"
@@ -27,18 +28,22 @@ func TestPostgresClaimTransactionCommitsOnlyAClaimThatSucceeds(t *testing.T) {
 		}
 		for res.Next() {
 		}
-		return errors.Join(res.Err(), res.Close())
+		err = res.Err()
+		if cerr := res.Close(); err == nil {
+			err = cerr
+		}
+		return err
 	}
 	for _, tc := range []struct {
 		name    string
-		fn      func(ctx context.Context, q claimQuerier) error
+		fn      func(ctx context.Context, q claimQuerier, p *claimProbe) error
 		wantErr string   // in the claim's error; "" for none
 		want    []string // rows of probe after the claim
 	}{
-		{"a window with nothing to lease commits", func(ctx context.Context, q claimQuerier) error {
+		{"a window with nothing to lease commits", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			return read(q.query(ctx, insert("window")))
 		}, "", []string{"window"}},
-		{"a lease commits with the statements before it", func(ctx context.Context, q claimQuerier) error {
+		{"a lease commits with the statements before it", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			if err := read(q.query(ctx, insert("window"))); err != nil {
 				return err
 			}
@@ -47,35 +52,41 @@ func TestPostgresClaimTransactionCommitsOnlyAClaimThatSucceeds(t *testing.T) {
 			}
 			return read(q.lease(ctx, insert("lease")))
 		}, "", []string{"lease", "lookup", "window"}},
-		{"a failed first statement rolls back", func(ctx context.Context, q claimQuerier) error {
+		{"a failed first statement rolls back", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			return read(q.query(ctx, `SELECT 1 / (SELECT count(*) FROM probe)::int`))
 		}, "division by zero", nil},
-		{"an error between the statements rolls back", func(ctx context.Context, q claimQuerier) error {
+		{"an error between the statements rolls back", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			if err := read(q.query(ctx, insert("window"))); err != nil {
 				return err
 			}
 			return errors.New("picked nothing")
 		}, "picked nothing", nil},
-		{"a failed lookup rolls back", func(ctx context.Context, q claimQuerier) error {
+		{"a failed lookup rolls back", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			if err := read(q.query(ctx, insert("window"))); err != nil {
 				return err
 			}
 			return read(q.query(ctx, `SELECT 1 / (SELECT count(*) - 1 FROM probe)::int`))
 		}, "division by zero", nil},
-		{"a failed lease rolls back what came before", func(ctx context.Context, q claimQuerier) error {
+		{"a failed lease rolls back what came before", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			if err := read(q.query(ctx, insert("window"))); err != nil {
 				return err
 			}
 			return read(q.lease(ctx, `SELECT 1 / (SELECT count(*) - 1 FROM probe)::int`))
 		}, "division by zero", nil},
-		{"a cancelled claim rolls back", func(ctx context.Context, q claimQuerier) error {
+		{"a cancelled claim rolls back", func(ctx context.Context, q claimQuerier, p *claimProbe) error {
 			if err := read(q.query(ctx, insert("window"))); err != nil {
 				return err
 			}
-			ctx, cancel := context.WithCancel(ctx)
-			cancel()
+			p.cancel()
 			return read(q.lease(ctx, insert("lease")))
 		}, "context canceled", nil},
+		{"a claim whose connection is lost is discarded", func(ctx context.Context, q claimQuerier, p *claimProbe) error {
+			if err := read(q.query(ctx, insert("window"))); err != nil {
+				return err
+			}
+			p.terminate()
+			return read(q.lease(ctx, insert("lease")))
+		}, lostConnection, nil},
 	} {
 		for _, simple := range []bool{false, true} {
 			name := tc.name
@@ -102,13 +113,36 @@ func TestPostgresClaimTransactionCommitsOnlyAClaimThatSucceeds(t *testing.T) {
 				if err := db.Raw(`SELECT pg_backend_pid()`).Scan(&pid).Error; err != nil {
 					t.Fatal(err)
 				}
-				ctx := context.Background()
-				err = postgresDialect{}.claimTx(ctx, db, func(q claimQuerier) error { return tc.fn(ctx, q) })
+				other := outboxtest.Reopen(t, info, nil)
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				p := &claimProbe{cancel: cancel, terminate: func() {
+					if err := other.Exec(`SELECT pg_terminate_backend(?)`, pid).Error; err != nil {
+						t.Error(err)
+					}
+				}}
+				err = postgresDialect{}.claimTx(ctx, db, func(q claimQuerier) error {
+					if _, ok := q.(*pgxClaim); !ok {
+						t.Fatalf("the claim ran on a %T, not pipelined", q)
+					}
+					return tc.fn(ctx, q, p)
+				})
 				switch {
 				case tc.wantErr == "" && err != nil:
 					t.Fatalf("claim failed: %v", err)
-				case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
+				case tc.wantErr == lostConnection && !errors.Is(err, driver.ErrBadConn):
+					t.Fatalf("claim error %v, want one that makes the pool discard the connection", err)
+				case tc.wantErr != "" && tc.wantErr != lostConnection && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
 					t.Fatalf("claim error %v, want one about %q", err, tc.wantErr)
+				}
+				if err != nil {
+					seen := map[string]bool{}
+					for _, line := range strings.Split(err.Error(), "\n") {
+						if seen[line] {
+							t.Errorf("claim error %q repeats itself", err)
+						}
+						seen[line] = true
+					}
 				}
 
 				if err := db.Exec(`INSERT INTO probe VALUES ('after')`).Error; err != nil {
@@ -117,11 +151,10 @@ func TestPostgresClaimTransactionCommitsOnlyAClaimThatSucceeds(t *testing.T) {
 				if err := db.Raw(`SELECT pg_backend_pid()`).Scan(&pidAfter).Error; err != nil {
 					t.Fatal(err)
 				}
-				if pidAfter != pid {
-					t.Errorf("the pool replaced its connection (server process %d, then %d): the claim left it unusable", pid, pidAfter)
+				if lost := tc.wantErr == lostConnection; lost != (pidAfter != pid) {
+					t.Errorf("server process %d before the claim, %d after it: want the connection kept unless it was lost", pid, pidAfter)
 				}
 				var got []string
-				other := outboxtest.Reopen(t, info, nil)
 				if err := other.Raw(`SELECT v FROM probe ORDER BY v`).Scan(&got).Error; err != nil {
 					t.Fatal(err)
 				}
@@ -131,6 +164,16 @@ func TestPostgresClaimTransactionCommitsOnlyAClaimThatSucceeds(t *testing.T) {
 			})
 		}
 	}
+}
+
+// lostConnection is the wantErr of a claim whose connection is lost: its
+// error must tell database/sql to discard the connection.
+const lostConnection = "(connection lost)"
+
+// claimProbe is what a case does to its claim from outside.
+type claimProbe struct {
+	cancel    func() // cancels the claim's context
+	terminate func() // ends the claim's server session from another one
 }
 
 func sortedStrings(s []string) []string {

@@ -96,8 +96,8 @@ type dialect interface {
 	rejectsData(err error) bool
 }
 
-// resultRows is the result of one of a claim's statements: *sql.Rows, or the
-// rows of a statement sent together with others (dialect_postgres_claim.go).
+// resultRows is the result of one of a claim's statements: *sql.Rows, or,
+// in a claim on a pgx connection, pgx's rows (dialect_postgres_claim.go).
 type resultRows interface {
 	Next() bool
 	Scan(dest ...any) error

@@ -2,41 +2,42 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"database/sql/driver"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"gorm.io/gorm"
 )
 
-// An oldest-first claim on PostgreSQL is a transaction of three
-// statements (window, lease, and at times the order lookup between them),
-// and on a connection of the pgx driver it costs two round trips, not
-// four: BEGIN travels with the window, and COMMIT with the lease, each
-// pair as one pgx batch. On a dispatcher's path nothing else waits on the
-// server: a batch of 100 events is five round trips (claim, settle) cut
-// to three, and an event that a notification woke the dispatcher for is
-// published that much sooner.
+// An oldest-first claim on PostgreSQL is a transaction of two or three
+// statements (the window, at times the order lookup, the lease), and on a
+// connection of the pgx driver it costs two round trips where it would
+// cost four: BEGIN travels with the window, and COMMIT with the lease,
+// each pair as one pgx batch. (Under pgx's QueryExecModeDescribeExec
+// each batch is described first, a round trip more each.) With the
+// settle, a batch is three round trips instead of five.
 //
 // The statements, their order and the transaction are those that
 // database/sql would send one by one, so locking and visibility do not
 // change; what changes is when a failure is seen. COMMIT is sent before
-// the lease's rows are read, so a lease that fails makes the COMMIT roll
-// back (the server answers ROLLBACK, which is reported as an error), and
+// the lease's rows are read: a lease that fails leaves COMMIT unexecuted
+// and the transaction aborted, which pipelinedClaim then rolls back; and
 // rows that the driver fails to read after a successful lease stay leased
 // until their lease passes, as with the runs claim, which is a single
-// statement. On a pool of another driver (a *gorm.DB opened on a pool of
-// the caller's), the claim runs in a GORM transaction, one statement per
-// round trip.
+// statement. A pool of another driver (a *sql.DB opened by a driver that
+// wraps pgx's, or a pool that is not a *sql.DB) gets a GORM transaction,
+// one statement per round trip.
 
-// claimTx runs fn in a transaction of its own on a connection of db's
-// pool: pipelined where the connection is pgx's, a GORM transaction on
-// any other pool GORM can begin one on (checkPool).
+// claimTx runs fn in a transaction of its own: pipelined on a connection
+// of db's *sql.DB where its driver is pgx's, a GORM transaction on any
+// other pool GORM can begin one on (checkPool).
 func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(claimQuerier) error) error {
 	sqlDB, err := db.DB()
-	if err != nil {
+	if err != nil || !isPgx(sqlDB) {
 		return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return fn(sqlQuerier{tx.Statement.ConnPool}) })
 	}
 	conn, err := sqlDB.Conn(ctx)
@@ -44,27 +45,19 @@ func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(claimQu
 		return err
 	}
 	defer conn.Close()
-	pipelined := false
-	err = conn.Raw(func(driverConn any) error {
+	return conn.Raw(func(driverConn any) error {
 		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
 		if !ok {
-			return nil
+			return fmt.Errorf("outbox: the pgx driver handed out a %T connection", driverConn)
 		}
-		pipelined = true
 		return pipelinedClaim(ctx, c.Conn(), fn)
 	})
-	if pipelined {
-		return err
-	}
-	tx, err := conn.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	if err := fn(sqlQuerier{tx}); err != nil {
-		_ = tx.Rollback()
-		return err
-	}
-	return tx.Commit()
+}
+
+// isPgx reports whether db's connections are pgx's own.
+func isPgx(db *sql.DB) bool {
+	_, ok := db.Driver().(*stdlib.Driver)
+	return ok
 }
 
 // pipelinedClaim runs fn in a transaction on conn whose BEGIN goes with
@@ -118,7 +111,8 @@ func (c *pgxClaim) query(ctx context.Context, query string, args ...any) (result
 	b.Queue(query, args...)
 	br := c.conn.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
-		return nil, errors.Join(err, br.Close())
+		br.Close() // returns err again
+		return nil, err
 	}
 	return batchRows(br, "")
 }
@@ -145,7 +139,7 @@ func (c *pgxClaim) end(ctx context.Context, verb string) error {
 	return err
 }
 
-// pgxRows is the rows of a statement sent alone.
+// pgxRows is the rows of a statement of a claim sent alone (the lookup).
 type pgxRows struct{ pgx.Rows }
 
 func (r pgxRows) Close() error {
@@ -154,12 +148,14 @@ func (r pgxRows) Close() error {
 }
 
 // batchRows reads the rows of the next statement of br, then, on Close,
-// the statement after it, if then is set: that its command tag is then
-// (COMMIT answers ROLLBACK in a transaction that failed).
+// the statement after it, if then is set, and checks that its command tag
+// is then (COMMIT answers ROLLBACK in a transaction that failed earlier;
+// a claim returns at its first error, so this is a safeguard).
 func batchRows(br pgx.BatchResults, then string) (resultRows, error) {
 	res, err := br.Query()
 	if err != nil {
-		return nil, errors.Join(err, br.Close())
+		br.Close() // returns err again
+		return nil, err
 	}
 	return &pipelinedRows{Rows: res, br: br, then: then}, nil
 }
@@ -187,5 +183,9 @@ func (r *pipelinedRows) Close() error {
 			err = fmt.Errorf("outbox: %s of a claim answered %q", r.then, tag.String())
 		}
 	}
-	return errors.Join(err, r.br.Close())
+	// Close returns the batch's first error again, or its own.
+	if cerr := r.br.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
