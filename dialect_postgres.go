@@ -142,9 +142,10 @@ func (postgresDialect) planComment(k int) string {
 	return "/* outbox: ids below 2^" + strconv.Itoa(k) + " */ "
 }
 
-// checkPool: claimTx takes a connection of the *sql.DB behind the pool,
-// or, on a pool with none (a wrapper), begins its transaction through
-// GORM, which needs a pool that can begin one.
+// checkPool: claimTx takes a connection of the *sql.DB behind the pool
+// where its driver is pgx's, and otherwise (a wrapped pool or driver)
+// begins its transaction through GORM, which needs a pool that can begin
+// one.
 func (postgresDialect) checkPool(db *gorm.DB) error {
 	switch db.Statement.ConnPool.(type) {
 	case gorm.TxBeginner, gorm.ConnPoolBeginner:
