@@ -111,17 +111,7 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 		// would wait for it forever.
 		return fmt.Errorf("%w: the pool has a single connection (SetMaxOpenConns(1))", errNoListen)
 	}
-	conn, err := sqlDB.Conn(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	return conn.Raw(func(driverConn any) error {
-		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
-		if !ok {
-			return errNoListen
-		}
-		pc := c.Conn()
+	return onPgxConn(ctx, sqlDB, errNoListen, func(pc *pgx.Conn) error {
 		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.name)); err != nil {
 			return errors.Join(err, driver.ErrBadConn)
 		}
@@ -133,6 +123,25 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 			}
 			wake()
 		}
+	})
+}
+
+// onPgxConn takes a connection of pool and runs fn on the pgx connection
+// under it, or returns notPgx where the driver's connection is not pgx's.
+// An error of fn that wraps driver.ErrBadConn makes the pool discard the
+// connection.
+func onPgxConn(ctx context.Context, pool *sql.DB, notPgx error, fn func(*pgx.Conn) error) error {
+	conn, err := pool.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return conn.Raw(func(driverConn any) error {
+		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
+		if !ok {
+			return notPgx
+		}
+		return fn(c.Conn())
 	})
 }
 

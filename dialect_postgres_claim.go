@@ -34,23 +34,18 @@ import (
 
 // claimTx runs fn in a transaction of its own: pipelined on a connection
 // of db's *sql.DB where its driver is pgx's, a GORM transaction on any
-// other pool GORM can begin one on (checkPool).
+// other pool GORM can begin one on (checkPool). The window's FOR UPDATE
+// SKIP LOCKED keeps its rows from other claims until the commit, so that
+// claims running side by side read disjoint windows; a row of an
+// aggregate that another claim's window holds leaves a gap, or its
+// predecessor is undelivered.
 func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(claimQuerier) error) error {
 	sqlDB, err := db.DB()
 	if err != nil || !isPgx(sqlDB) {
 		return db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return fn(sqlQuerier{tx.Statement.ConnPool}) })
 	}
-	conn, err := sqlDB.Conn(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	return conn.Raw(func(driverConn any) error {
-		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
-		if !ok {
-			return fmt.Errorf("outbox: the pgx driver handed out a %T connection", driverConn)
-		}
-		return pipelinedClaim(ctx, c.Conn(), fn)
+	return onPgxConn(ctx, sqlDB, errors.New("outbox: the pgx driver handed out a connection that is not pgx's"), func(conn *pgx.Conn) error {
+		return pipelinedClaim(ctx, conn, fn)
 	})
 }
 
