@@ -34,59 +34,52 @@ func TestPostgresClaimTransactionCommitsOnlyAClaimThatSucceeds(t *testing.T) {
 		}
 		return err
 	}
-	for _, tc := range []struct {
-		name    string
-		fn      func(ctx context.Context, q claimQuerier, p *claimProbe) error
-		wantErr string   // in the claim's error; "" for none
-		want    []string // rows of probe after the claim
-	}{
-		{"a window with nothing to lease commits", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
-			return read(q.query(ctx, insert("window")))
-		}, "", []string{"window"}},
-		{"a lease commits with the statements before it", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
+	type step = func(ctx context.Context, q claimQuerier, p *claimProbe) error
+	// afterWindow runs then after a first statement that writes "window".
+	afterWindow := func(then step) step {
+		return func(ctx context.Context, q claimQuerier, p *claimProbe) error {
 			if err := read(q.query(ctx, insert("window"))); err != nil {
 				return err
 			}
+			return then(ctx, q, p)
+		}
+	}
+	const divideByZero = `SELECT 1 / (SELECT count(*) - 1 FROM probe)::int` // after "window"
+	for _, tc := range []struct {
+		name    string
+		fn      step
+		wantErr string   // in the claim's error; "" for none
+		want    []string // rows of probe after the claim
+	}{
+		{"a window with nothing to lease commits", afterWindow(func(context.Context, claimQuerier, *claimProbe) error {
+			return nil
+		}), "", []string{"window"}},
+		{"a lease commits with the statements before it", afterWindow(func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			if err := read(q.query(ctx, insert("lookup"))); err != nil {
 				return err
 			}
 			return read(q.lease(ctx, insert("lease")))
-		}, "", []string{"lease", "lookup", "window"}},
+		}), "", []string{"lease", "lookup", "window"}},
 		{"a failed first statement rolls back", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
 			return read(q.query(ctx, `SELECT 1 / (SELECT count(*) FROM probe)::int`))
 		}, "division by zero", nil},
-		{"an error between the statements rolls back", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
-			if err := read(q.query(ctx, insert("window"))); err != nil {
-				return err
-			}
+		{"an error between the statements rolls back", afterWindow(func(context.Context, claimQuerier, *claimProbe) error {
 			return errors.New("picked nothing")
-		}, "picked nothing", nil},
-		{"a failed lookup rolls back", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
-			if err := read(q.query(ctx, insert("window"))); err != nil {
-				return err
-			}
-			return read(q.query(ctx, `SELECT 1 / (SELECT count(*) - 1 FROM probe)::int`))
-		}, "division by zero", nil},
-		{"a failed lease rolls back what came before", func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
-			if err := read(q.query(ctx, insert("window"))); err != nil {
-				return err
-			}
-			return read(q.lease(ctx, `SELECT 1 / (SELECT count(*) - 1 FROM probe)::int`))
-		}, "division by zero", nil},
-		{"a cancelled claim rolls back", func(ctx context.Context, q claimQuerier, p *claimProbe) error {
-			if err := read(q.query(ctx, insert("window"))); err != nil {
-				return err
-			}
+		}), "picked nothing", nil},
+		{"a failed lookup rolls back", afterWindow(func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
+			return read(q.query(ctx, divideByZero))
+		}), "division by zero", nil},
+		{"a failed lease rolls back what came before", afterWindow(func(ctx context.Context, q claimQuerier, _ *claimProbe) error {
+			return read(q.lease(ctx, divideByZero))
+		}), "division by zero", nil},
+		{"a cancelled claim rolls back", afterWindow(func(ctx context.Context, q claimQuerier, p *claimProbe) error {
 			p.cancel()
 			return read(q.lease(ctx, insert("lease")))
-		}, "context canceled", nil},
-		{"a claim whose connection is lost is discarded", func(ctx context.Context, q claimQuerier, p *claimProbe) error {
-			if err := read(q.query(ctx, insert("window"))); err != nil {
-				return err
-			}
+		}), "context canceled", nil},
+		{"a claim whose connection is lost is discarded", afterWindow(func(ctx context.Context, q claimQuerier, p *claimProbe) error {
 			p.terminate()
 			return read(q.lease(ctx, insert("lease")))
-		}, lostConnection, nil},
+		}), lostConnection, nil},
 	} {
 		for _, simple := range []bool{false, true} {
 			name := tc.name
