@@ -538,7 +538,12 @@ func sortByID(rows []claimed) []claimed {
 // within the publish timeout. Rows that came due before their head in due
 // order (written while it waited, and not parked) are moved to the head's
 // time, behind it: a window full of them would hold no row a claim can
-// take.
+// take. After a settle that came after its lease (see Order above), an
+// aggregate's first undelivered event may sit before delivered ones;
+// parking takes it for the head all the same, so that the events after
+// the delivered ones, which a claim could take, may wait as long as it
+// does (a lease at most behind a dead letter) when parking reaches them
+// before a claim does.
 //
 // It looks at the window of due rows that a run claim looks at
 // (scanWindow), in the slots the claim read (slotScan), and runs at most once per poll interval per
