@@ -219,13 +219,13 @@ func TestRetryFailedFiltersAndBounds(t *testing.T) {
 		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivery_attempts = 10`).Error)
 		d := newDispatcher(t, b.db, &recorder{})
 		ctx := context.Background()
-		if n, err := d.RetryFailedWhere(ctx, outbox.RetryFilter{EventTypes: []string{"y"}}); n != 1 || err != nil {
+		if n, err := d.Requeue(ctx, outbox.RequeueFilter{EventTypes: []string{"y"}}); n != 1 || err != nil {
 			t.Fatalf("by type: %d, %v; want 1", n, err)
 		}
-		if n, err := d.RetryFailedWhere(ctx, outbox.RetryFilter{FailedBefore: time.Now().Add(-time.Hour)}); n != 0 || err != nil {
+		if n, err := d.Requeue(ctx, outbox.RequeueFilter{FailedBefore: time.Now().Add(-time.Hour)}); n != 0 || err != nil {
 			t.Fatalf("by age: %d, %v; want 0 (all failed just now)", n, err)
 		}
-		if n, err := d.RetryFailedWhere(ctx, outbox.RetryFilter{Limit: 2}); n != 2 || err != nil {
+		if n, err := d.Requeue(ctx, outbox.RequeueFilter{Limit: 2}); n != 2 || err != nil {
 			t.Fatalf("bounded: %d, %v; want 2", n, err)
 		}
 		if n, err := d.RetryFailed(ctx); n != 1 || err != nil {

@@ -7,16 +7,20 @@ import (
 	"time"
 )
 
-// RetryFilter narrows [Dispatcher.RetryFailedWhere]. The zero value
-// matches every failed row.
-type RetryFilter struct {
+// RequeueFilter selects the dead-lettered (failed) rows that
+// [Dispatcher.Requeue] moves. Each field that is set narrows the
+// selection; the zero value matches every failed row.
+type RequeueFilter struct {
+	// EventIDs, when not empty, limits the requeue to these events.
+	EventIDs []string
 	// EventTypes, when not empty, limits the sweep to these event types.
 	EventTypes []string
 	// FailedBefore, when not zero, limits the sweep to rows dead-lettered
 	// before it.
 	FailedBefore time.Time
-	// Limit bounds how many rows one call moves (default: the dispatcher's
-	// sweep limit, see [WithSweepLimit]).
+	// Limit bounds how many rows one call moves, oldest failure first
+	// (default, and when zero or negative: the dispatcher's sweep limit,
+	// see [WithSweepLimit]).
 	Limit int
 }
 
@@ -26,11 +30,15 @@ type RetryFilter struct {
 // last_error is kept until they are delivered. The events parked behind
 // them are made due at once.
 func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
-	return d.RetryFailedWhere(ctx, RetryFilter{})
+	return d.Requeue(ctx, RequeueFilter{})
 }
 
-// RetryFailedWhere is [Dispatcher.RetryFailed] restricted by f.
-func (d *Dispatcher) RetryFailedWhere(ctx context.Context, f RetryFilter) (int, error) {
+// Requeue is a person's requeue: it moves the failed rows that f selects
+// back to pending, whatever made them fail and however often they were
+// revived before, with their attempt count reset, and returns how many it
+// moved. The events parked behind them are made due with them. It is what
+// outboxctl and the dashboard call.
+func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) {
 	limit := f.Limit
 	if limit <= 0 {
 		limit = d.sweepLimit
@@ -38,6 +46,12 @@ func (d *Dispatcher) RetryFailedWhere(ctx context.Context, f RetryFilter) (int, 
 	now := time.Now()
 	where := []string{"delivery_state = 'failed'"}
 	var args []any
+	if len(f.EventIDs) > 0 {
+		where = append(where, "event_id IN (?"+strings.Repeat(", ?", len(f.EventIDs)-1)+")")
+		for _, id := range f.EventIDs {
+			args = append(args, id)
+		}
+	}
 	if len(f.EventTypes) > 0 {
 		where = append(where, "event_type IN (?"+strings.Repeat(", ?", len(f.EventTypes)-1)+")")
 		for _, t := range f.EventTypes {
