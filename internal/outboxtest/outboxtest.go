@@ -1,7 +1,8 @@
 // Package outboxtest opens real databases for the library's tests: a
-// temporary SQLite file, and a PostgreSQL schema of its own on the server
-// named by OUTBOX_POSTGRES_DSN. Each call returns an isolated database that
-// is removed when the test ends.
+// temporary SQLite file, a PostgreSQL schema of its own on the server
+// named by OUTBOX_POSTGRES_DSN, and a MySQL database of its own on the
+// server named by OUTBOX_MYSQL_DSN (mysql.go). Each call returns an
+// isolated database that is removed when the test ends.
 package outboxtest
 
 import (
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"gorm.io/driver/mysql"
 	"gorm.io/driver/postgres"
 	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
@@ -65,6 +67,8 @@ func Open(t testing.TB, e Engine, cfg *gorm.Config) (*gorm.DB, DB) {
 		return openSQLite(t, cfg)
 	case Postgres:
 		return openPostgres(t, cfg)
+	case MySQL:
+		return OpenMySQL(t, cfg)
 	}
 	t.Fatalf("outboxtest: unknown engine %q", e)
 	return nil, DB{}
@@ -86,8 +90,11 @@ func Reopen(t testing.TB, info DB, cfg *gorm.Config) *gorm.DB {
 func Dialector(e Engine, dsn string) gorm.Dialector { return dialector(e, dsn) }
 
 func dialector(e Engine, dsn string) gorm.Dialector {
-	if e == Postgres {
+	switch e {
+	case Postgres:
 		return postgres.Open(dsn)
+	case MySQL:
+		return mysql.Open(dsn)
 	}
 	return sqlite.Open(dsn)
 }

@@ -35,7 +35,7 @@ type Record struct {
 func Records(t testing.TB, db *gorm.DB, table string) []Record {
 	t.Helper()
 	var rs []Record
-	if err := db.Raw(`SELECT * FROM "` + table + `" ORDER BY id`).Scan(&rs).Error; err != nil {
+	if err := db.Table(table).Order("id").Scan(&rs).Error; err != nil {
 		t.Fatalf("outboxtest: read %s: %v", table, err)
 	}
 	return rs
@@ -45,7 +45,7 @@ func Records(t testing.TB, db *gorm.DB, table string) []Record {
 func Count(t testing.TB, db *gorm.DB, table string) int64 {
 	t.Helper()
 	var n int64
-	if err := db.Raw(`SELECT count(*) FROM "` + table + `"`).Scan(&n).Error; err != nil {
+	if err := db.Table(table).Count(&n).Error; err != nil {
 		t.Fatalf("outboxtest: count %s: %v", table, err)
 	}
 	return n

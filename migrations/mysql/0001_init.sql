@@ -1,0 +1,68 @@
+-- gorm-outbox schema, version 1, for MySQL 8.0+ and MariaDB 10.6+: the
+-- outbox table, its per-aggregate sequence table and their indexes. The
+-- names are those of the default table, outbox_records; AutoMigrate
+-- replaces them for outbox.WithTable. DDL commits on its own in MySQL, so
+-- each table comes with its indexes in one statement.
+--
+-- Identifiers and keys are VARBINARY: compared byte for byte, as text is
+-- on PostgreSQL and SQLite. A character column compares under a collation,
+-- and every _ci one makes 'Key' the idempotency key 'key'; even the _bin
+-- ones pad, making 'key ' a duplicate of 'key' in a unique index. Widths
+-- are in bytes and are the limits that event validation enforces.
+--
+-- MySQL has no partial indexes. Where a partial index would select rows by
+-- one state, a generated column that is NULL outside the rows it indexes
+-- takes its place: the claim reads due_at <= now in the index's order
+-- (due_at, id) and stops after the batch, locking only the rows it keeps;
+-- an index on (delivery_state, next_attempt_at, id) would read every due
+-- row of three states and sort them, locking all of them. A column that
+-- stays NULL also costs no index write when the other columns change.
+CREATE TABLE IF NOT EXISTS outbox_records (
+	id                 BIGINT        NOT NULL AUTO_INCREMENT,
+	event_id           VARBINARY(1024) NOT NULL,
+	event_type         VARBINARY(255)  NOT NULL,
+	aggregate_type     VARBINARY(255)  NOT NULL,
+	aggregate_id       VARBINARY(1024) NOT NULL,
+	aggregate_sequence BIGINT        NOT NULL,
+	idempotency_key    VARBINARY(1024) NOT NULL,
+	payload            JSON          NOT NULL,
+	headers            JSON,
+	delivery_state     VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NOT NULL DEFAULT 'pending'
+		CHECK (delivery_state IN ('pending', 'delivering', 'delivered', 'retry', 'failed')),
+	delivery_attempts  INT           NOT NULL DEFAULT 0,
+	next_attempt_at    DATETIME(6)   NOT NULL,
+	batch_id           VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin,
+	last_error         TEXT,
+	locked_until       DATETIME(6),
+	occurred_at        DATETIME(6)   NOT NULL,
+	created_at         DATETIME(6)   NOT NULL,
+	updated_at         DATETIME(6)   NOT NULL,
+	delivered_at       DATETIME(6),
+	-- due_at: when a claimable row became claimable (due, and its lease,
+	-- if any, passed); NULL for delivered and failed rows.
+	due_at             DATETIME(6) GENERATED ALWAYS AS (CASE
+		WHEN delivery_state IN ('pending', 'retry', 'delivering')
+		THEN GREATEST(next_attempt_at, COALESCE(locked_until, next_attempt_at)) END) STORED,
+	-- failed_at: when a failed row failed; NULL for every other row.
+	failed_at          DATETIME(6) GENERATED ALWAYS AS (CASE
+		WHEN delivery_state = 'failed' THEN updated_at END) STORED,
+	PRIMARY KEY (id),
+	UNIQUE KEY outbox_records_event_id_key (event_id),
+	UNIQUE KEY outbox_records_idempotency_key_key (idempotency_key),
+	-- due: the claim's scan, in its order.
+	KEY outbox_records_due (due_at, id),
+	-- aggregate: the per-aggregate order check and runs (over every row:
+	-- their lookups start at an undelivered sequence).
+	KEY outbox_records_aggregate (aggregate_type, aggregate_id, aggregate_sequence),
+	-- delivered: cleanup by age (only delivered rows have delivered_at).
+	KEY outbox_records_delivered (delivered_at),
+	-- failed: the retry_failed sweep and the requeue, oldest failure first.
+	KEY outbox_records_failed (failed_at, id)
+) ENGINE = InnoDB DEFAULT CHARACTER SET = utf8mb4;
+
+CREATE TABLE IF NOT EXISTS outbox_records_sequences (
+	aggregate_type VARBINARY(255)  NOT NULL,
+	aggregate_id   VARBINARY(1024) NOT NULL,
+	last_sequence  BIGINT NOT NULL,
+	PRIMARY KEY (aggregate_type, aggregate_id)
+) ENGINE = InnoDB DEFAULT CHARACTER SET = utf8mb4;
