@@ -10,13 +10,14 @@
 -- ones pad, making 'key ' a duplicate of 'key' in a unique index. Widths
 -- are in bytes and are the limits that event validation enforces.
 --
--- MySQL has no partial indexes. Where a partial index would select rows by
--- one state, a generated column that is NULL outside the rows it indexes
--- takes its place: the claim reads due_at <= now in the index's order
--- (due_at, id) and stops after the batch, locking only the rows it keeps;
--- an index on (delivery_state, next_attempt_at, id) would read every due
--- row of three states and sort them, locking all of them. A column that
--- stays NULL also costs no index write when the other columns change.
+-- MySQL has no partial indexes. In their place, generated columns that are
+-- NULL outside the rows an index serves. The claim reads due_at <= now in
+-- the due index's order (due_at, id) and stops after the batch, locking
+-- only the rows it keeps; an index on (delivery_state, next_attempt_at,
+-- id) would read every due row of the three states and sort them, locking
+-- all of them. A lookup by (aggregate_type, undelivered_id) reads only the
+-- undelivered rows of the aggregate, not its delivered history. A column
+-- that stays NULL costs no index write when other columns change.
 CREATE TABLE IF NOT EXISTS outbox_records (
 	id                 BIGINT        NOT NULL AUTO_INCREMENT,
 	event_id           VARBINARY(1024) NOT NULL,
@@ -43,6 +44,10 @@ CREATE TABLE IF NOT EXISTS outbox_records (
 	due_at             DATETIME(6) GENERATED ALWAYS AS (CASE
 		WHEN delivery_state IN ('pending', 'retry', 'delivering')
 		THEN GREATEST(next_attempt_at, COALESCE(locked_until, next_attempt_at)) END) STORED,
+	-- undelivered_id: the aggregate of a row not delivered yet; NULL once
+	-- delivered, which takes the row out of its aggregate's index prefix.
+	undelivered_id     VARBINARY(1024) GENERATED ALWAYS AS (CASE
+		WHEN delivery_state <> 'delivered' THEN aggregate_id END) STORED,
 	-- failed_at: when a failed row failed; NULL for every other row.
 	failed_at          DATETIME(6) GENERATED ALWAYS AS (CASE
 		WHEN delivery_state = 'failed' THEN updated_at END) STORED,
@@ -51,9 +56,10 @@ CREATE TABLE IF NOT EXISTS outbox_records (
 	UNIQUE KEY outbox_records_idempotency_key_key (idempotency_key),
 	-- due: the claim's scan, in its order.
 	KEY outbox_records_due (due_at, id),
-	-- aggregate: the per-aggregate order check and runs (over every row:
-	-- their lookups start at an undelivered sequence).
-	KEY outbox_records_aggregate (aggregate_type, aggregate_id, aggregate_sequence),
+	-- aggregate: the per-aggregate order check and runs, over undelivered
+	-- rows: a lookup by (aggregate_type, undelivered_id) reads none of the
+	-- delivered history of the aggregate.
+	KEY outbox_records_aggregate (aggregate_type, undelivered_id, aggregate_sequence),
 	-- delivered: cleanup by age (only delivered rows have delivered_at).
 	KEY outbox_records_delivered (delivered_at),
 	-- failed: the retry_failed sweep and the requeue, oldest failure first.
