@@ -75,14 +75,23 @@ func (mysqlDialect) locked(ctx context.Context, db *gorm.DB, t tables, fn func(q
 // it. This needs no error codes of the driver and does not depend on how
 // the connection counts affected rows (clientFoundRows). A concurrent
 // delivery's uncommitted insert of the id makes ours wait for its end.
+// An insert that failed while the id is not recorded is retried by Handle
+// in a new transaction.
 func (mysqlDialect) insert(tx *gorm.DB, t tables, id string, typ *string, now time.Time) (bool, error) {
 	err := tx.Exec("INSERT INTO "+t.records+" (message_id, message_type, handled_at) VALUES (?, ?, ?)", id, typ, now.UTC()).Error
 	if err == nil {
 		return true, nil
 	}
 	var n int64
-	if qerr := tx.Raw("SELECT COUNT(*) FROM "+t.records+" WHERE message_id = ? LOCK IN SHARE MODE", id).Scan(&n).Error; qerr != nil || n == 0 {
+	if qerr := tx.Raw("SELECT COUNT(*) FROM "+t.records+" WHERE message_id = ? LOCK IN SHARE MODE", id).Scan(&n).Error; qerr != nil {
 		return false, err
+	}
+	if n == 0 {
+		// Typically a deadlock: deliveries that waited for one that rolled
+		// back each hold a shared lock on the id, and each one's insert
+		// waits for the others'. InnoDB rolled ours back; Handle starts
+		// it again.
+		return false, &retryError{err: err}
 	}
 	return false, nil
 }

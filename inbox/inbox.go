@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"regexp"
 	"strings"
 	"time"
@@ -191,14 +192,51 @@ func (in *Inbox) handle(ctx context.Context, id string, typ *string, fn func(tx 
 			return false, err
 		}
 	}
+	for attempt := 1; ; attempt++ {
+		handled, err := in.attempt(ctx, id, typ, fn)
+		var retry *retryError
+		if !errors.As(err, &retry) {
+			return handled, err
+		}
+		if attempt == maxInsertAttempts {
+			return false, fmt.Errorf("inbox: handle %q: record id: %w", id, retry.err)
+		}
+		// A deadlock among deliveries that waited for one that rolled back:
+		// nothing has run yet, so the delivery starts again, after a pause
+		// that keeps the survivors apart.
+		select {
+		case <-ctx.Done():
+			return false, fmt.Errorf("inbox: handle %q: record id: %w", id, retry.err)
+		case <-time.After(time.Duration(attempt) * time.Duration(1+rand.IntN(5)) * time.Millisecond):
+		}
+	}
+}
+
+// maxInsertAttempts bounds how often Handle starts a delivery again whose
+// insert of the id failed without the id being recorded (see retryError).
+const maxInsertAttempts = 5
+
+// retryError is what dialect.insert returns when the insert of the id
+// failed, the id is not recorded, and the transaction may have been rolled
+// back under it (a deadlock): Handle runs the delivery again.
+type retryError struct{ err error }
+
+func (e *retryError) Error() string { return e.err.Error() }
+
+// attempt runs one transaction of handle.
+func (in *Inbox) attempt(ctx context.Context, id string, typ *string, fn func(tx *gorm.DB) error) (bool, error) {
 	var fnErr, recordErr error
 	err := in.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
 		inserted, err := in.d.insert(tx, in.t, id, typ, time.Now())
-		if err != nil {
+		var retry *retryError
+		switch {
+		case errors.As(err, &retry):
+			recordErr = err
+			return err
+		case err != nil:
 			recordErr = fmt.Errorf("inbox: handle %q: record id: %w", id, err)
 			return recordErr
-		}
-		if !inserted {
+		case !inserted:
 			return errDuplicate
 		}
 		fnErr = fn(tx)
