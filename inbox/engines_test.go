@@ -22,8 +22,8 @@ import (
 type engine string
 
 const (
-	sqliteEngine   = engine(outboxtest.SQLite)
-	postgresEngine = engine(outboxtest.Postgres)
+	sqliteEngine          = engine(outboxtest.SQLite)
+	postgresEngine        = engine(outboxtest.Postgres)
 	mysqlEngine    engine = "MySQL"
 )
 

@@ -152,7 +152,8 @@ var errDuplicate = errors.New("inbox: already handled")
 //     nothing is recorded, and Handle returns false and the error: a
 //     later delivery applies the message again.
 //   - Otherwise the transaction commits and Handle returns true, nil, or
-//     false and the commit's error.
+//     false and the commit's error (when the connection failed during the
+//     commit, the message may have been applied; a redelivery finds out).
 //
 // The id is recorded first, so a concurrent delivery of the same id (a
 // redelivery racing the first attempt, a second consumer) waits for the
@@ -290,9 +291,8 @@ func truncate(s string) string {
 //
 // A message delivered again after its id was forgotten is applied again:
 // keep ids for longer than any delivery can be late (the outbox retries an
-// event for as long as its retry policy and retention say, and a requeue
-// of dead-lettered events delivers them again however old they are). age
-// must be positive.
+// event until its attempts are spent, and a requeue of dead-lettered
+// events delivers them again however old they are). age must be positive.
 func (in *Inbox) Cleanup(ctx context.Context, age time.Duration) (int, error) {
 	if age <= 0 {
 		return 0, fmt.Errorf("inbox: cleanup: age %v is not positive", age)

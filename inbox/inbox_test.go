@@ -444,7 +444,7 @@ func TestCleanupRejectsNonPositiveAge(t *testing.T) {
 func schemaVersion(t testing.TB, db *gorm.DB, table string) int {
 	t.Helper()
 	var v int
-	if err := db.Table(table+"_schema").Select("version").Where("id = 1").Scan(&v).Error; err != nil {
+	if err := db.Table(table + "_schema").Select("version").Where("id = 1").Scan(&v).Error; err != nil {
 		t.Fatalf("read schema version: %v", err)
 	}
 	return v
