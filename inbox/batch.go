@@ -33,7 +33,9 @@ const (
 
 // Result is the outcome of one message of a batch.
 type Result struct {
-	EventID string  `json:"event_id"`
+	// EventID is the message's Message.EventID.
+	EventID string `json:"event_id"`
+	// Outcome is what became of it.
 	Outcome Outcome `json:"outcome"`
 	// Err is why the message failed or was not attempted; nil otherwise.
 	Err error `json:"-"`
