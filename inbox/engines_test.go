@@ -137,7 +137,24 @@ func openMySQL(t testing.TB) (*gorm.DB, testDB) {
 // forEachEngine runs test once per engine, in parallel subtests.
 func forEachEngine(t *testing.T, test func(t *testing.T, e engine)) {
 	t.Helper()
+	forEngines(t, engines, test)
+}
+
+// forEachOutboxEngine runs test once per engine the outbox runs on.
+func forEachOutboxEngine(t *testing.T, test func(t *testing.T, e engine)) {
+	t.Helper()
+	var es []engine
 	for _, e := range engines {
+		if e.outboxEngine() {
+			es = append(es, e)
+		}
+	}
+	forEngines(t, es, test)
+}
+
+func forEngines(t *testing.T, es []engine, test func(t *testing.T, e engine)) {
+	t.Helper()
+	for _, e := range es {
 		t.Run(string(e), func(t *testing.T) {
 			t.Parallel()
 			test(t, e)

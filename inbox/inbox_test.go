@@ -541,10 +541,7 @@ func TestNewValidatesOptions(t *testing.T) {
 
 func TestEventsPublishedInTheHandlerCommitWithIt(t *testing.T) {
 	t.Parallel()
-	forEachEngine(t, func(t *testing.T, e engine) {
-		if !e.outboxEngine() {
-			t.Skipf("the outbox plugin does not run on %s", e)
-		}
+	forEachOutboxEngine(t, func(t *testing.T, e engine) {
 		db, in, _ := newConsumer(t, e)
 		if err := db.Use(outbox.Plugin()); err != nil {
 			t.Fatal(err)
