@@ -25,10 +25,10 @@ import (
 //
 //   - 200 when every message was handled or was a duplicate: the batch is
 //     delivered;
-//   - 422 when no message was applied and every failure was permanent (fn
-//     returned an error marked with [outbox.Permanent], or a message id
-//     cannot be recorded): retrying cannot help, and the publisher
-//     dead-letters the batch;
+//   - 422 when no message was applied, now or before, and every failure
+//     was permanent (apply returned an error marked with
+//     [outbox.Permanent], or a message failed with [ErrInvalidMessage]):
+//     retrying cannot help, and the publisher dead-letters the batch;
 //   - 503 otherwise (some message failed, or was not attempted): the
 //     publisher retries the whole batch, and the messages that were
 //     applied come back as duplicates;
