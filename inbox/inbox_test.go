@@ -588,3 +588,29 @@ func TestEventsPublishedInTheHandlerCommitWithIt(t *testing.T) {
 		}
 	})
 }
+
+func TestMigrateRerunsAStepThatWasNotRecorded(t *testing.T) {
+	t.Parallel()
+	forEachEngine(t, func(t *testing.T, e engine) {
+		// On MySQL/MariaDB, DDL commits at once: a migration interrupted
+		// after its step and before recording the version runs the step
+		// again.
+		db, in, _ := newConsumer(t, e)
+		ctx := context.Background()
+		if _, err := in.Handle(ctx, "evt-kept", ship("evt-kept")); err != nil {
+			t.Fatal(err)
+		}
+		if err := db.Table(inbox.DefaultTable+"_schema").Where("id = 1").Update("version", 0).Error; err != nil {
+			t.Fatal(err)
+		}
+		if err := in.Migrate(ctx); err != nil {
+			t.Fatalf("Migrate over an unrecorded step: %v", err)
+		}
+		if v := schemaVersion(t, db, inbox.DefaultTable); v != 1 {
+			t.Errorf("schema version %d, want 1", v)
+		}
+		if handled, err := in.Handle(ctx, "evt-kept", ship("evt-kept")); handled || err != nil {
+			t.Errorf("Handle of a recorded id after re-migrating = %v, %v; want false, nil", handled, err)
+		}
+	})
+}
