@@ -74,8 +74,8 @@ func NewScheduler(d *Dispatcher, s Schedule, opts ...cron.Option) (*Scheduler, e
 			// Drain while claims stop for want of room; a stop lets the
 			// batch in flight publish and settle, and claims no more.
 			for ctx.Err() == nil {
-				r, err := d.dispatch(context.WithoutCancel(ctx))
-				if err != nil || !r.more {
+				r, err := d.Dispatch(context.WithoutCancel(ctx))
+				if err != nil || !r.More {
 					return err
 				}
 			}
@@ -118,10 +118,6 @@ func (s *Scheduler) Stop(ctx context.Context) error {
 		return ctx.Err()
 	}
 }
-
-// Cron returns the underlying scheduler, to add jobs of your own or read
-// its entries. Its Start and Stop are those of the Scheduler.
-func (s *Scheduler) Cron() *cron.Cron { return s.cron }
 
 // cronLogger adapts a *slog.Logger to cron.Logger.
 type cronLogger struct{ l *slog.Logger }

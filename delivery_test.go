@@ -198,19 +198,22 @@ func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
 		}
 		// An operator fixes the consumer and sweeps.
 		poisoned = false
-		n, err := d.RetryFailed(context.Background())
+		if n, err := d.RetryFailed(context.Background()); err != nil || n != 0 {
+			t.Fatalf("RetryFailed = %d, %v; want 0: a permanent failure stays dead", n, err)
+		}
+		n, err := d.Requeue(context.Background(), outbox.RequeueFilter{})
 		if err != nil || n != 1 {
-			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
+			t.Fatalf("Requeue = %d, %v; want 1", n, err)
 		}
 		mustNil(t, b.db.Exec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_id = 'poison'`, time.Now().Add(-time.Second).UTC()).Error)
 		dispatch(t, d)
 		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/ok#1 agg/poison#1 agg/poison#2]" {
-			t.Fatalf("accepted %s, want the poison aggregate in order after the sweep", got)
+			t.Fatalf("accepted %s, want the poison aggregate in order after the requeue", got)
 		}
 	})
 }
 
-func TestRetryFailedFiltersAndBounds(t *testing.T) {
+func TestRequeueFiltersAndBounds(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		for i, typ := range []string{"x", "x", "y", "x"} {
@@ -228,12 +231,14 @@ func TestRetryFailedFiltersAndBounds(t *testing.T) {
 		if n, err := d.Requeue(ctx, outbox.RequeueFilter{Limit: 2}); n != 2 || err != nil {
 			t.Fatalf("bounded: %d, %v; want 2", n, err)
 		}
-		if n, err := d.RetryFailed(ctx); n != 1 || err != nil {
-			t.Fatalf("rest: %d, %v; want 1", n, err)
+		var last string
+		mustNil(t, b.db.Raw(`SELECT event_id FROM outbox_records WHERE delivery_state = 'failed'`).Scan(&last).Error)
+		if n, err := d.Requeue(ctx, outbox.RequeueFilter{EventIDs: []string{"no-such-event", last}}); n != 1 || err != nil {
+			t.Fatalf("by id: %d, %v; want 1", n, err)
 		}
 		for _, r := range b.records(t) {
 			if r.DeliveryState != "pending" || r.DeliveryAttempts != 0 {
-				t.Fatalf("row after sweep: %s with %d attempts, want pending with 0", r.DeliveryState, r.DeliveryAttempts)
+				t.Fatalf("row after requeue: %s with %d attempts, want pending with 0", r.DeliveryState, r.DeliveryAttempts)
 			}
 		}
 	})

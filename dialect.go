@@ -11,134 +11,150 @@ import (
 	"gorm.io/gorm"
 )
 
-// dialect is the one seam between the library and a database engine: every
-// piece of SQL that differs between PostgreSQL and SQLite (DDL, upserts,
-// RETURNING, row locking, time encoding) sits behind it. Statements common
-// to both are written once with ? placeholders and passed through bind.
+// dialect is the one seam between the library and a database engine. Each
+// engine owns its complete statements (statements, in its own file, read
+// top to bottom) and the few procedures that differ between engines (how a
+// claim's transaction begins, how lists travel as arguments, how a
+// notification is heard). The write and delivery paths call it with plain
+// values and the types defined here; an engine file uses nothing of the
+// paths above it.
 type dialect interface {
-	// schema returns the statements that create the outbox tables and
-	// indexes; they are idempotent and run in one transaction.
-	schema(t tables) []string
-	// bind rewrites ? placeholders into the engine's own.
+	// name is the engine's name in messages and in the migrations' paths:
+	// "postgres" or "sqlite".
+	name() string
+	// tables returns the quoted names of the outbox tables for the
+	// configured table name.
+	tables(name string) tables
+	// statements returns every statement of the delivery path and of the
+	// migrator on t.
+	statements(t tables) statements
+	// bind rewrites ? placeholders into the engine's own, for the few
+	// statements that are the same on every engine but for them.
 	bind(query string) string
 	// timeArg encodes a timestamp argument so that the engine compares it
 	// correctly with stored timestamps.
 	timeArg(t time.Time) any
-	// insertEvent stores e with the next sequence of its aggregate, unless
-	// a row with its idempotency key exists; it reports whether it inserted.
-	// With notify, the engine is also asked to tell listeners at commit.
-	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error)
-	// listen calls wake for every notification of t's channel until ctx
-	// ends or the connection fails; it returns errNoListen where the
-	// engine or driver has no notifications.
-	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
-	// claimTx runs fn, an oldest-first claim's window read, order check
-	// and lease, in one short transaction in which the rows the window
-	// read stay locked (FOR UPDATE on PostgreSQL, the database's write
-	// lock on SQLite) until it commits. An error in fn before the lease
-	// rolls the whole claim back; see claimQuerier for one after it.
-	claimTx(ctx context.Context, db *gorm.DB, fn func(q claimQuerier) error) error
-	// undelivered reports, for each event, whether its row exists and is
-	// not delivered, in one statement on q (or a few, for a long list on
-	// SQLite), each lookup through the aggregate index.
-	undelivered(ctx context.Context, q querier, t tables, events []aggregateSeq) ([]bool, error)
-	// claimRuns leases up to a.limit due rows as runs (see claim.go) in
-	// one short transaction, and hands the rows that leaseSQL returns to
-	// scan. On PostgreSQL the lease has committed by then, so rows that
-	// scan fails on (the driver failing, not a row that cannot be read
-	// into a message: scanLeased returns that one) stay leased until their
-	// lease passes; on SQLite a scan error rolls the claim back.
-	claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(resultRows) error) error
-	// idsIn returns the condition that a bigint column is one of ids, to
-	// follow the column's name, and its arguments: one array argument
-	// where the engine has arrays, so that the statement's text and plan
-	// do not change with the number of ids.
-	idsIn(ids []int64) (string, []any)
-	// skipLocked is the row-locking clause of a sweep's scan and of the
-	// oldest-first claim's window (windowSQL): FOR UPDATE SKIP LOCKED
-	// where the engine has row locks, nothing where the claim's
-	// transaction holds the whole database.
-	skipLocked() string
-	// serverStart is a text expression that changes whenever the database
-	// server starts or recovers from a crash, so that a claim learns of any
-	// event that may have lost committed transactions (acceptedSeqs); NULL
-	// where the database lives in the process.
-	serverStart() string
 	// readTime is the expression that returns a timestamp column so that
 	// a value the driver cannot read fails to scan (scanTime) rather than
 	// reading as the zero time.
 	readTime(column string) string
-	// planComment returns what leads the text of the dispatcher's
-	// windows, leases, settles, parking and sweeps when the highest row
-	// id its claims have read is below 2^k: a comment naming k where the
-	// driver or the engine keeps plans of prepared statements, so that
-	// they are planned anew as the ids double (plan.go); nothing
-	// elsewhere.
-	planComment(k int) string
+	// idList, textList and eventList encode a list as the arguments of one
+	// placeholder each (an array where the engine has arrays, JSON text
+	// elsewhere), so that a statement's text does not change with the
+	// length of the list.
+	idList(ids []int64) any
+	textList(s []string) any
+	eventList(events []aggregateSeq) []any
+	// claimTx runs fn, a claim's reads and its lease, in one short
+	// transaction in which the rows it reads with the claim statements'
+	// locking clauses stay locked until it commits (the rows themselves on
+	// PostgreSQL, the whole database on SQLite). An error of fn rolls the
+	// claim back.
+	claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error
+	// migrateTx runs fn in a transaction that holds a lock which other
+	// migrations of t wait for.
+	migrateTx(ctx context.Context, db *gorm.DB, t tables, fn func(q querier) error) error
+	// listen calls wake for every notification on t's channel until ctx
+	// ends or the connection fails; it returns errNoListen where the
+	// engine or driver has no notifications.
+	listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error
 	// checkPool reports why db's connection pool cannot serve a
 	// dispatcher's claims, if it cannot.
 	checkPool(db *gorm.DB) error
-	// asyncCommit is a condition, always true, to append to the WHERE of
-	// a claim's lease and of a settle (and of no other statement) so that
-	// the statement's own transaction commits without waiting for its WAL
-	// to reach disk, where the engine allows that per transaction; empty
-	// elsewhere. A crash of the server may then forget the last leases and
-	// settles before it, and their events are delivered again: at least
-	// once allows that, and the events themselves were written by the
-	// caller's transaction, with its durability.
-	asyncCommit() string
-	// slotLocks returns how dispatchers agree on slots (slots.go), or
-	// nil where the engine has no locks that outlive a transaction.
-	slotLocks() slotLocks
 	// rejectsData reports whether err is the engine refusing a value (bad
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
 	rejectsData(err error) bool
+	// insertEvent stores e with the next sequence of its aggregate, unless
+	// a row with its idempotency key exists; it reports whether it
+	// inserted. With notify, the engine is also asked to tell listeners at
+	// commit.
+	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error)
 }
 
-// resultRows is the result of one of a claim's statements: *sql.Rows, or,
-// in a claim on a pgx connection, pgx's rows (dialect_postgres_claim.go).
-type resultRows interface {
-	Next() bool
-	Scan(dest ...any) error
-	Err() error
-	Close() error
+// statements are the complete statements of the delivery path and the
+// migrator on one engine and table. Each field says its arguments, in
+// order, and its result columns; "now" is a timeArg, lists are the
+// dialect's idList, textList and eventList.
+//
+// Claimable means: pending, retry or delivering, due (next_attempt_at has
+// come) and not leased (locked_until is empty or has passed). A claim
+// sets both next_attempt_at and locked_until to its lease's end; the
+// lease is locked_until, and a row whose locked_until lies in the future
+// is never claimed, whatever next_attempt_at says.
+type statements struct {
+	// createVersions creates the version table; versions reads its
+	// versions; recordVersion (version, name, applied at) adds one.
+	createVersions, versions, recordVersion string
+
+	// window (now, now, limit): the oldest claimable rows, in due order
+	// (next_attempt_at, id), locked, skipping rows another claim holds.
+	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
+	window string
+	// undelivered (eventList): for each event, in the list's order,
+	// whether its row exists and is not delivered. Result: one bool a row.
+	undelivered string
+	// heads (now, now, scan, now, now, limit): among the scan oldest
+	// claimable rows, those whose predecessor in their aggregate is
+	// delivered or gone (cleanup deletes only delivered rows), oldest
+	// first. Result: id, aggregate_type, aggregate_id, aggregate_sequence.
+	heads string
+	// runs (now, span, eventList): the undelivered rows of each listed
+	// aggregate whose sequence lies in [seq, seq+span), with whether each
+	// is claimable. Result: list position (from 1), id,
+	// aggregate_sequence, claimable.
+	runs string
+	// lock (ids, now, now): locks the listed rows that are still
+	// claimable, skipping rows another claim holds. Result: id. Empty
+	// where claimTx holds the whole database.
+	lock string
+	// lease (batch id, lease end, now, ids): leases the listed rows.
+	// Result: id, event_id, event_type, aggregate_type, aggregate_id,
+	// aggregate_sequence, idempotency_key, payload, headers, occurred_at
+	// (readTime), delivery_attempts.
+	lease string
+
+	// settleDelivered (now, ids, batch id) marks delivered those of the
+	// listed rows that the batch still leases; settleOther (state,
+	// attempts, next attempt, last error or NULL to keep it, failure kind
+	// or NULL, now, ids, batch id) does the same for any other outcome.
+	settleDelivered, settleOther string
+
+	// blockers (now, scan, now, lease end): the heads of the aggregates
+	// seen among the scan oldest due rows that hold due rows of theirs
+	// back (parkBlocked). Result: aggregate_type, aggregate_id,
+	// aggregate_sequence, delivery_state, until.
+	blockers string
+	// park (until, now, type, id, seq, until, type, id, seq, state): moves
+	// the due rows behind a blocker to until, if it is still in state.
+	park string
+	// unpark (now, now, now, eventList): makes the waiting rows of the
+	// listed aggregates due now.
+	unpark string
+
+	// revive (now, now, max revivals, limit): the retry_failed sweep: moves
+	// failed rows that ran out of attempts and were revived fewer than max
+	// times back to pending, counting the revival. requeue (now, now,
+	// ids, types, failed before, limit): moves any failed rows the filter
+	// selects (a NULL list or time selects all). Both: oldest failure
+	// first; result: aggregate_type, aggregate_id.
+	revive, requeue string
+	// cleanup (cutoff, limit) deletes delivered rows delivered before the
+	// cutoff.
+	cleanup string
+
+	// counts: rows per delivery state. Result: delivery_state, count.
+	// oldestDue (now, now): the next_attempt_at of the longest-waiting
+	// claimable row, or NULL. lastFailure: the last_error of the most
+	// recently failed row.
+	counts, oldestDue, lastFailure string
 }
 
-// querier runs one of a claim's statements and returns its rows.
+// querier is what a claim's or a migration's transaction runs statements
+// on: a *sql.Tx or a *sql.Conn.
 type querier interface {
-	query(ctx context.Context, query string, args ...any) (resultRows, error)
-}
-
-// claimQuerier is the transaction of an oldest-first claim (claimTx).
-type claimQuerier interface {
-	querier
-	// lease runs the claim's last statement, the lease. Where the dialect
-	// can, the commit travels with it, and Close of its rows reports the
-	// commit: the lease has then committed once its rows can be read, and
-	// rows that fail to scan (the driver failing) stay leased until the
-	// lease passes, as with claimRuns on PostgreSQL.
-	lease(ctx context.Context, query string, args ...any) (resultRows, error)
-}
-
-// sqlQuerier is a querier, and a claimQuerier that commits after fn, on
-// a database/sql pool, connection or transaction.
-type sqlQuerier struct {
-	q interface {
-		QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-	}
-}
-
-func (s sqlQuerier) query(ctx context.Context, query string, args ...any) (resultRows, error) {
-	res, err := s.q.QueryContext(ctx, query, args...)
-	if err != nil {
-		return nil, err // not a nil *sql.Rows in a non-nil interface
-	}
-	return res, nil
-}
-
-func (s sqlQuerier) lease(ctx context.Context, query string, args ...any) (resultRows, error) {
-	return s.query(ctx, query, args...)
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 }
 
 // dialectOf returns the dialect for db's engine.
@@ -153,28 +169,39 @@ func dialectOf(db *gorm.DB) (dialect, error) {
 	}
 }
 
-// tables holds the quoted names of the outbox tables and indexes derived
-// from the configured table name.
+// tables holds the names of the outbox tables derived from the configured
+// table name, quoted for one engine.
 type tables struct {
 	name      string // unquoted records table name, as configured
 	records   string
 	sequences string
-	index     func(suffix string) string
+	quote     func(ident string) string
 }
 
+// aggregateKey names an aggregate.
+type aggregateKey struct{ typ, id string }
+
+// aggregateSeq is one event of an aggregate, by its sequence.
+type aggregateSeq struct {
+	agg aggregateKey
+	seq int64
+}
+
+// tablesFor returns the names derived from name, quoted with double
+// quotes, as PostgreSQL and SQLite quote identifiers.
 func tablesFor(name string) tables {
 	return tables{
 		name:      name,
 		records:   quote(name),
 		sequences: quote(name + "_sequences"),
-		index:     func(suffix string) string { return quote(name + "_" + suffix) },
+		quote:     quote,
 	}
 }
 
 func quote(ident string) string { return `"` + ident + `"` }
 
-// bindNumbered rewrites ? placeholders into $1, $2, ... Our statements
-// never contain a literal question mark.
+// bindNumbered rewrites ? placeholders into $1, $2, ... The statements it
+// is given never contain a literal question mark.
 func bindNumbered(query string) string {
 	var b strings.Builder
 	b.Grow(len(query) + 16)
@@ -201,21 +228,73 @@ func releaseSequence(ctx context.Context, d dialect, conn gorm.ConnPool, t table
 	return err
 }
 
-// commonIndexes are the indexes both engines create, all partial so that
-// their size follows the live rows, not the delivered history:
-//   - due: the claim's scan, in its ORDER BY (next_attempt_at, id);
-//   - aggregate: the per-aggregate order check, over undelivered rows;
-//   - delivered: cleanup by age;
-//   - failed: the retry_failed sweep.
-func commonIndexes(t tables) []string {
-	return []string{
-		`CREATE INDEX IF NOT EXISTS ` + t.index("due") + ` ON ` + t.records +
-			` (next_attempt_at, id) WHERE delivery_state IN ('pending', 'retry', 'delivering')`,
-		`CREATE INDEX IF NOT EXISTS ` + t.index("aggregate") + ` ON ` + t.records +
-			` (aggregate_type, aggregate_id, aggregate_sequence) WHERE delivery_state <> 'delivered'`,
-		`CREATE INDEX IF NOT EXISTS ` + t.index("delivered") + ` ON ` + t.records +
-			` (delivered_at) WHERE delivery_state = 'delivered'`,
-		`CREATE INDEX IF NOT EXISTS ` + t.index("failed") + ` ON ` + t.records +
-			` (updated_at, id) WHERE delivery_state = 'failed'`,
+// inTx runs fn in a transaction begun on db's pool (with opts, nil for the
+// defaults): a *sql.DB, or a pool of the user's own that can begin one.
+// It commits when fn succeeds and rolls back otherwise; a rollback that
+// fails discards the connection where the pool can tell.
+func inTx(ctx context.Context, db *gorm.DB, opts *sql.TxOptions, fn func(q querier) error) (err error) {
+	var (
+		tx interface {
+			querier
+			Commit() error
+			Rollback() error
+		}
+	)
+	switch pool := db.Statement.ConnPool.(type) {
+	case gorm.TxBeginner:
+		t, err := pool.BeginTx(ctx, opts)
+		if err != nil {
+			return err
+		}
+		tx = t
+	case gorm.ConnPoolBeginner:
+		t, err := pool.BeginTx(ctx, opts)
+		if err != nil {
+			return err
+		}
+		c, ok := t.(interface {
+			querier
+			Commit() error
+			Rollback() error
+		})
+		if !ok {
+			return fmt.Errorf("outbox: the transaction of %T cannot commit", pool)
+		}
+		tx = c
+	default:
+		return fmt.Errorf("outbox: the connection pool (%T) cannot begin transactions", db.Statement.ConnPool)
 	}
+	if err := fn(tx); err != nil {
+		if rerr := tx.Rollback(); rerr != nil && rerr != sql.ErrTxDone {
+			return fmt.Errorf("%w (and the rollback failed: %v)", err, rerr)
+		}
+		return err
+	}
+	return tx.Commit()
+}
+
+// The write path and the delivery path share two things besides the
+// table: its name, and the in-process wake-up that the plugin gives after
+// a write. The plugin registered on a *gorm.DB offers both through these
+// interfaces, so that a dispatcher needs nothing else of it.
+type (
+	tableNamer interface{ Table() string }
+	waker      interface {
+		addWaker(wake func()) (remove func())
+	}
+)
+
+// tableNameOf returns the table name of the outbox plugin registered on
+// db, or DefaultTable when there is none.
+func tableNameOf(db *gorm.DB) string {
+	if p, ok := db.Config.Plugins[pluginName].(tableNamer); ok {
+		return p.Table()
+	}
+	return DefaultTable
+}
+
+// wakerOf returns the in-process wake-up of the plugin registered on db.
+func wakerOf(db *gorm.DB) (waker, bool) {
+	w, ok := db.Config.Plugins[pluginName].(waker)
+	return w, ok
 }

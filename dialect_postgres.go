@@ -13,54 +13,288 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 )
 
+// postgresDialect is PostgreSQL, through pgx (gorm.io/driver/postgres).
+// Claims lock rows with FOR UPDATE SKIP LOCKED, so any number of
+// dispatchers share a table; lists travel as arrays; a claim's lease and a
+// settle commit with synchronous_commit off, in their own transactions
+// only (see Dispatcher); listeners hear commits through LISTEN/NOTIFY.
 type postgresDialect struct{}
+
+func (postgresDialect) name() string { return "postgres" }
+
+func (postgresDialect) tables(name string) tables { return tablesFor(name) }
 
 func (postgresDialect) bind(query string) string { return bindNumbered(query) }
 
 func (postgresDialect) timeArg(t time.Time) any { return t.UTC() }
 
-func (postgresDialect) schema(t tables) []string {
+// readTime: a timestamptz column holds nothing but times.
+func (postgresDialect) readTime(column string) string { return column }
+
+func (postgresDialect) idList(ids []int64) any { return ids }
+
+func (postgresDialect) textList(s []string) any {
+	if s == nil {
+		return nil
+	}
+	return s
+}
+
+func (postgresDialect) eventList(events []aggregateSeq) []any {
+	types, ids, seqs := make([]string, len(events)), make([]string, len(events)), make([]int64, len(events))
+	for i, e := range events {
+		types[i], ids[i], seqs[i] = e.agg.typ, e.agg.id, e.seq
+	}
+	return []any{types, ids, seqs}
+}
+
+// statements. Claimable is written out in each statement that claims:
+// delivery_state IN ('pending', 'retry', 'delivering') AND
+// next_attempt_at <= now AND (locked_until IS NULL OR locked_until <= now);
+// the partial due index serves its first two terms in due order. Lists
+// are arrays, looked up one element at a time through the aggregate index
+// (a scalar subquery or a nested loop over unnest), so that the planner
+// never has to guess their contents. The lease and the settles set
+// synchronous_commit off for their own transaction, through set_config in
+// an uncorrelated subquery that runs once, before the commit.
+func (postgresDialect) statements(t tables) statements {
+	r := t.records
+	return statements{
+		createVersions: `CREATE TABLE IF NOT EXISTS ` + t.quote(t.name+"_migrations") + ` (
+	version    integer PRIMARY KEY,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL
+)`,
+		versions:      `SELECT version FROM ` + t.quote(t.name+"_migrations"),
+		recordVersion: `INSERT INTO ` + t.quote(t.name+"_migrations") + ` (version, name, applied_at) VALUES ($1, $2, $3)`,
+
+		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
+	AND (locked_until IS NULL OR locked_until <= $1)
+ORDER BY next_attempt_at, id
+LIMIT $2
+FOR UPDATE SKIP LOCKED`,
+
+		undelivered: `SELECT EXISTS (
+	SELECT 1 FROM ` + r + ` p
+	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
+		AND p.delivery_state <> 'delivered')
+FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
+ORDER BY u.i`,
+
+		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
+	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.next_attempt_at FROM ` + r + ` c
+	WHERE c.delivery_state IN ('pending', 'retry', 'delivering') AND c.next_attempt_at <= $1
+		AND (c.locked_until IS NULL OR c.locked_until <= $1)
+	ORDER BY c.next_attempt_at, c.id
+	LIMIT $2
+) w
+WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
+	SELECT 1 FROM ` + r + ` p
+	WHERE p.aggregate_type = w.aggregate_type AND p.aggregate_id = w.aggregate_id
+		AND p.aggregate_sequence = w.aggregate_sequence - 1 AND p.delivery_state <> 'delivered')
+ORDER BY w.next_attempt_at, w.id
+LIMIT $3`,
+
+		runs: `SELECT u.i, x.id, x.aggregate_sequence,
+	x.delivery_state IN ('pending', 'retry', 'delivering') AND x.next_attempt_at <= $1
+		AND (x.locked_until IS NULL OR x.locked_until <= $1)
+FROM unnest($3::text[], $4::text[], $5::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
+JOIN ` + r + ` x ON x.aggregate_type = u.typ AND x.aggregate_id = u.agg
+	AND x.aggregate_sequence >= u.seq AND x.aggregate_sequence < u.seq + $2
+	AND x.delivery_state <> 'delivered'`,
+
+		lock: `SELECT id FROM ` + r + `
+WHERE id = ANY($2) AND delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
+	AND (locked_until IS NULL OR locked_until <= $1)
+FOR UPDATE SKIP LOCKED`,
+
+		lease: `UPDATE ` + r + ` SET
+	delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
+WHERE id = ANY($4) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+	idempotency_key, payload, headers, occurred_at, delivery_attempts`,
+
+		settleDelivered: `UPDATE ` + r + ` SET
+	delivery_state = 'delivered', delivery_attempts = delivery_attempts + 1, next_attempt_at = $1,
+	last_error = NULL, failure_kind = NULL, locked_until = NULL, delivered_at = $1, updated_at = $1
+WHERE id = ANY($3) AND batch_id = $2 AND delivery_state = 'delivering'
+	AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`,
+
+		settleOther: `UPDATE ` + r + ` SET
+	delivery_state = $1, delivery_attempts = $2, next_attempt_at = $3,
+	last_error = coalesce($4, last_error), failure_kind = $5, locked_until = NULL, updated_at = $6
+WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
+	AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`,
+
+		// Every lookup is a scalar subquery run once per aggregate through
+		// the aggregate index: joined instead, the planner may drive the
+		// query from the heads' condition, misjudged by statistics taken
+		// while the backlog was due, and scan every row that is not due.
+		blockers: `WITH seen AS MATERIALIZED (
+	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
+		SELECT aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+		WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
+		ORDER BY next_attempt_at, id
+		LIMIT $2
+	) c
+	GROUP BY c.aggregate_type, c.aggregate_id
+	HAVING max(c.aggregate_sequence) > 1
+), heads AS MATERIALIZED (
+	SELECT bt, ba, ws, (SELECT min(m.aggregate_sequence) FROM ` + r + ` m
+		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
+	FROM seen
+), waits AS MATERIALIZED (
+	SELECT bt, ba, hs, (SELECT CASE
+			WHEN h.delivery_state = 'failed' THEN 'failed'
+			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > $1 OR hs < ws) THEN h.delivery_state
+		END FROM ` + r + ` h
+		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
+			AND h.delivery_state <> 'delivered') AS state
+	FROM heads
+	WHERE hs IS NOT NULL
+)
+SELECT bt, ba, hs, state, CASE WHEN state = 'failed' THEN $3 ELSE (SELECT h.next_attempt_at FROM ` + r + ` h
+		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs) END
+FROM waits WHERE state IS NOT NULL`,
+
+		park: `UPDATE ` + r + ` SET next_attempt_at = $1, updated_at = $2
+WHERE aggregate_type = $3 AND aggregate_id = $4 AND aggregate_sequence > $5
+	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < $1
+	AND EXISTS (SELECT 1 FROM ` + r + ` h
+		WHERE h.aggregate_type = $3 AND h.aggregate_id = $4 AND h.aggregate_sequence = $5
+			AND h.delivery_state = $6)`,
+
+		unpark: `UPDATE ` + r + ` SET next_attempt_at = $1, updated_at = $1
+WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > $1
+	AND (aggregate_type, aggregate_id) IN (SELECT u.typ, u.agg FROM unnest($2::text[], $3::text[], $4::bigint[]) AS u(typ, agg, seq))`,
+
+		revive: `UPDATE ` + r + ` SET
+	delivery_state = 'pending', delivery_attempts = 0, revivals = revivals + 1, failure_kind = NULL,
+	next_attempt_at = $1, updated_at = $1, locked_until = NULL, batch_id = NULL
+WHERE id IN (
+	SELECT id FROM ` + r + `
+	WHERE delivery_state = 'failed' AND failure_kind = 'exhausted' AND revivals < $2
+	ORDER BY updated_at, id
+	LIMIT $3
+	FOR UPDATE SKIP LOCKED
+)
+RETURNING aggregate_type, aggregate_id`,
+
+		requeue: `UPDATE ` + r + ` SET
+	delivery_state = 'pending', delivery_attempts = 0, revivals = 0, failure_kind = NULL,
+	next_attempt_at = $1, updated_at = $1, locked_until = NULL, batch_id = NULL
+WHERE id IN (
+	SELECT id FROM ` + r + `
+	WHERE delivery_state = 'failed'
+		AND ($3::timestamptz IS NULL OR updated_at < $3)
+		AND ($4::text[] IS NULL OR event_id = ANY($4))
+		AND ($5::text[] IS NULL OR event_type = ANY($5))
+	ORDER BY updated_at, id
+	LIMIT $2
+	FOR UPDATE SKIP LOCKED
+)
+RETURNING aggregate_type, aggregate_id`,
+
+		cleanup: `DELETE FROM ` + r + ` WHERE id IN (
+	SELECT id FROM ` + r + ` WHERE delivery_state = 'delivered' AND delivered_at < $1
+	ORDER BY delivered_at
+	LIMIT $2
+	FOR UPDATE SKIP LOCKED
+)`,
+
+		counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
+		oldestDue: `SELECT min(next_attempt_at) FROM ` + r + `
+WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
+	AND (locked_until IS NULL OR locked_until <= $1)`,
+		lastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
+	}
+}
+
+// claimTx begins the claim's transaction on the pool: on a *sql.DB, or on
+// a pool of the user's own that can begin one.
+func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
+	return inTx(ctx, db, nil, fn)
+}
+
+// migrateTx: DDL is transactional on PostgreSQL, so the whole migration
+// is one transaction, and processes that migrate at the same start-up
+// queue on an advisory lock named after the table instead of racing on
+// the catalog.
+func (postgresDialect) migrateTx(ctx context.Context, db *gorm.DB, t tables, fn func(q querier) error) error {
 	h := fnv.New32a()
 	h.Write([]byte("gorm-outbox:" + t.name))
-	return append([]string{
-		// Replicas that migrate at the same start-up queue here instead of
-		// racing on the catalog.
-		`SELECT pg_advisory_xact_lock(` + strconv.FormatUint(uint64(h.Sum32()), 10) + `)`,
-		`CREATE TABLE IF NOT EXISTS ` + t.records + ` (
-	id                 bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
-	event_id           text        NOT NULL,
-	event_type         text        NOT NULL,
-	aggregate_type     text        NOT NULL,
-	aggregate_id       text        NOT NULL,
-	aggregate_sequence bigint      NOT NULL,
-	idempotency_key    text        NOT NULL,
-	payload            jsonb       NOT NULL,
-	headers            jsonb,
-	delivery_state     text        NOT NULL DEFAULT 'pending'
-		CHECK (delivery_state IN ('pending', 'delivering', 'delivered', 'retry', 'failed')),
-	delivery_attempts  integer     NOT NULL DEFAULT 0,
-	next_attempt_at    timestamptz NOT NULL,
-	batch_id           text,
-	last_error         text,
-	locked_until       timestamptz,
-	occurred_at        timestamptz NOT NULL,
-	created_at         timestamptz NOT NULL,
-	updated_at         timestamptz NOT NULL,
-	delivered_at       timestamptz,
-	CONSTRAINT ` + t.index("event_id_key") + ` UNIQUE (event_id),
-	CONSTRAINT ` + t.index("idempotency_key_key") + ` UNIQUE (idempotency_key)
-)`,
-		`CREATE TABLE IF NOT EXISTS ` + t.sequences + ` (
-	aggregate_type text   NOT NULL,
-	aggregate_id   text   NOT NULL,
-	last_sequence  bigint NOT NULL,
-	PRIMARY KEY (aggregate_type, aggregate_id)
-)`,
-	}, commonIndexes(t)...)
+	return inTx(ctx, db, nil, func(q querier) error {
+		if _, err := q.ExecContext(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatUint(uint64(h.Sum32()), 10)+`)`); err != nil {
+			return err
+		}
+		return fn(q)
+	})
+}
+
+// checkPool: a claim begins its transaction through the pool.
+func (postgresDialect) checkPool(db *gorm.DB) error {
+	switch db.Statement.ConnPool.(type) {
+	case gorm.TxBeginner, gorm.ConnPoolBeginner:
+		return nil
+	}
+	return fmt.Errorf("the connection pool (%T) cannot begin transactions, which a claim needs", db.Statement.ConnPool)
+}
+
+// rejectsData: SQLSTATE class 22 is "data exception".
+func (postgresDialect) rejectsData(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
+}
+
+// listen holds one connection of db's pool for LISTEN, outside the pool's
+// accounting, and discards it when done: a connection that listened is
+// never handed back to the pool.
+func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return errNoListen
+	}
+	if sqlDB.Stats().MaxOpenConnections == 1 {
+		// Listening would hold the pool's only connection, and every claim
+		// would wait for it forever.
+		return fmt.Errorf("%w: the pool has a single connection (SetMaxOpenConns(1))", errNoListen)
+	}
+	conn, err := sqlDB.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return conn.Raw(func(driverConn any) error {
+		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
+		if !ok {
+			return errNoListen
+		}
+		pc := c.Conn()
+		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.name)); err != nil {
+			return errors.Join(err, driver.ErrBadConn)
+		}
+		// Rows may have committed while nobody listened.
+		wake()
+		for {
+			if _, err := pc.WaitForNotification(ctx); err != nil {
+				return errors.Join(err, driver.ErrBadConn)
+			}
+			wake()
+		}
+	})
+}
+
+// notifyCommitted notifies t's channel in a transaction of its own. The
+// transaction commits asynchronously: it carries no data, so its commit
+// need not wait for a WAL flush, and listeners are signalled at commit
+// either way.
+func (postgresDialect) notifyCommitted(ctx context.Context, pool *sql.DB, t tables) error {
+	_, err := pool.ExecContext(ctx, `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, '')`, t.name)
+	return err
 }
 
 func (d postgresDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error) {
@@ -96,361 +330,4 @@ SELECT aggregate_sequence, `+notifyExpr+` FROM ins`, args...).Scan(&seq, &void)
 		return false, releaseSequence(ctx, d, conn, t, e)
 	}
 	return err == nil, err
-}
-
-// listen holds one connection of db's pool for LISTEN, outside the pool's
-// accounting, and discards it when done: a connection that listened is
-// never handed back to the pool.
-func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error {
-	sqlDB, err := db.DB()
-	if err != nil {
-		return errNoListen
-	}
-	if sqlDB.Stats().MaxOpenConnections == 1 {
-		// Listening would hold the pool's only connection, and every claim
-		// would wait for it forever.
-		return fmt.Errorf("%w: the pool has a single connection (SetMaxOpenConns(1))", errNoListen)
-	}
-	return onPgxConn(ctx, sqlDB, errNoListen, func(pc *pgx.Conn) error {
-		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.name)); err != nil {
-			return errors.Join(err, driver.ErrBadConn)
-		}
-		// Rows may have committed while nobody listened.
-		wake()
-		for {
-			if _, err := pc.WaitForNotification(ctx); err != nil {
-				return errors.Join(err, driver.ErrBadConn)
-			}
-			wake()
-		}
-	})
-}
-
-// onPgxConn takes a connection of pool and runs fn on the pgx connection
-// under it, or returns notPgx where the driver's connection is not pgx's.
-// An error of fn that wraps driver.ErrBadConn makes the pool discard the
-// connection.
-func onPgxConn(ctx context.Context, pool *sql.DB, notPgx error, fn func(*pgx.Conn) error) error {
-	conn, err := pool.Conn(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	return conn.Raw(func(driverConn any) error {
-		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
-		if !ok {
-			return notPgx
-		}
-		return fn(c.Conn())
-	})
-}
-
-// planComment: pgx prepares and keeps statements, and PostgreSQL may
-// keep one plan of a prepared statement for all its arguments (plan.go).
-func (postgresDialect) planComment(k int) string {
-	return "/* outbox: ids below 2^" + strconv.Itoa(k) + " */ "
-}
-
-// checkPool: claimTx takes a connection of the *sql.DB behind the pool
-// where its driver is pgx's, and otherwise (a wrapped pool or driver)
-// begins its transaction through GORM, which needs a pool that can begin
-// one.
-func (postgresDialect) checkPool(db *gorm.DB) error {
-	switch db.Statement.ConnPool.(type) {
-	case gorm.TxBeginner, gorm.ConnPoolBeginner:
-		return nil
-	}
-	return fmt.Errorf("the connection pool (%T) cannot begin transactions, which a claim needs", db.Statement.ConnPool)
-}
-
-// undelivered looks the events up with one statement whatever their
-// number: three array arguments, one scalar subquery per event through the
-// aggregate index (a join would let the planner pick a plan from
-// statistics that cannot know the arrays).
-func (postgresDialect) undelivered(ctx context.Context, q querier, t tables, events []aggregateSeq) ([]bool, error) {
-	types, ids, seqs := make([]string, len(events)), make([]string, len(events)), make([]int64, len(events))
-	for i, e := range events {
-		types[i], ids[i], seqs[i] = e.agg.typ, e.agg.id, e.seq
-	}
-	res, err := q.query(ctx, `SELECT EXISTS (
-	SELECT 1 FROM `+t.records+` p
-	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
-		AND p.delivery_state <> 'delivered')
-FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
-ORDER BY u.i`, types, ids, seqs)
-	if err != nil {
-		return nil, err
-	}
-	return scanBools(res, len(events))
-}
-
-// claimRuns is one statement. Heads are locked with SKIP LOCKED as the
-// nested loop pulls them, so a claim locks only the heads whose runs it
-// takes; a head another claim holds is passed by, and the rows behind it
-// are not heads. Each run is read through the aggregate index in sequence
-// order, up to the batch size, and locked with SKIP LOCKED too (all of
-// them: the sort that the window needs after the lock reads the whole
-// subquery); it ends at the first row that is not due or not the next
-// sequence, and a row skipped because it was locked, by a late settle of
-// an expired lease, leaves such a gap, so a run never jumps over an event.
-//
-// The outer LIMIT keeps the first rows the nested loop yields: heads in
-// order, each followed by its run in sequence order, so the cut falls at
-// the end of a run and leaves a prefix of it. PostgreSQL runs a LATERAL
-// subquery with its own LIMIT only as the inner side of a nested loop, and
-// never in parallel under UPDATE, so no other plan can reorder those rows.
-func (d postgresDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(resultRows) error) error {
-	now := d.timeArg(a.now)
-	args := append(leaseArgs(d, a), now, scanWindow(a.limit), now, a.limit, now, a.limit, a.limit)
-	return queryScan(ctx, sqlQuerier{db.Statement.ConnPool}, a.plan+runsSQL(t), args, scan)
-}
-
-// runsSQL is the run claim. Its arguments: those of leaseSQL, then now,
-// scan window, now (heads), batch size (heads), now (runs), batch size
-// (each run), batch size (the batch).
-func runsSQL(t tables) string {
-	return bindNumbered(leaseSQL(postgresDialect{}, t, `id IN (
-	SELECT run.id FROM (
-		`+headsSQL(t, `r.id AS hid, r.aggregate_type AS ht, r.aggregate_id AS ha, r.aggregate_sequence AS hs`)+`
-		LIMIT ?
-		FOR UPDATE OF r SKIP LOCKED
-	) h CROSS JOIN LATERAL (
-		SELECT w.id FROM (
-			SELECT l.id,
-				bool_and(l.delivery_state <> 'failed' AND l.next_attempt_at <= ?) OVER (ORDER BY l.aggregate_sequence) AS due,
-				l.aggregate_sequence - h.hs + 1 = row_number() OVER (ORDER BY l.aggregate_sequence) AS next
-			FROM (
-				SELECT x.id, x.aggregate_sequence, x.delivery_state, x.next_attempt_at FROM `+t.records+` x
-				WHERE x.aggregate_type = h.ht AND x.aggregate_id = h.ha AND x.aggregate_sequence >= h.hs
-					AND x.delivery_state <> 'delivered'
-				ORDER BY x.aggregate_sequence
-				LIMIT ?
-				FOR UPDATE OF x SKIP LOCKED
-			) l
-		) w
-		WHERE w.due AND w.next
-	) run
-	LIMIT ?
-)`))
-}
-
-func (postgresDialect) idsIn(ids []int64) (string, []any) { return "= ANY(?)", []any{ids} }
-
-func (postgresDialect) skipLocked() string { return " FOR UPDATE SKIP LOCKED" }
-
-// serverStart changes when the server restarts (pg_postmaster_start_time)
-// and when it recovers from the crash of a backend without restarting,
-// which also loses the commits still in the WAL buffers: PostgreSQL then
-// resets its statistics, and stamps the reset time. (A manual reset of the
-// bgwriter statistics changes it too, which only costs the dispatchers
-// their memory.) Both times, in seconds since the epoch whatever the
-// session's time zone, not the later of them: a clock set back could hide
-// a recovery behind an older start. One subquery, so that
-// it is computed once per statement, not per row. Before PostgreSQL 15,
-// reading a statistic made a transaction read the statistics collector's
-// file, which costs each claim that read there.
-func (postgresDialect) serverStart() string {
-	return "(SELECT extract(epoch FROM pg_postmaster_start_time())::text || ' ' ||" +
-		" coalesce(extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time())::text, ''))"
-}
-
-// readTime: a timestamptz column holds nothing but times.
-func (postgresDialect) readTime(column string) string { return column }
-
-// asyncCommit sets synchronous_commit off for the statement's own
-// transaction (set_config with is_local), through an uncorrelated subquery
-// that runs once, within the statement and so before its commit: the
-// commit then returns without waiting for the WAL flush, or for a
-// synchronous standby. set_config never returns NULL, so the condition is
-// true whatever text the setting comes back as.
-func (postgresDialect) asyncCommit() string {
-	return ` AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`
-}
-
-// rejectsData: SQLSTATE class 22 is "data exception".
-func (postgresDialect) rejectsData(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
-}
-
-// notifyCommitted notifies t's channel in a transaction of its own. The
-// transaction commits asynchronously: it carries no data, so its commit
-// need not wait for a WAL flush, and listeners are signalled at commit
-// either way.
-func (postgresDialect) notifyCommitted(ctx context.Context, pool *sql.DB, t tables) error {
-	_, err := pool.ExecContext(ctx, `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, '')`, t.name)
-	return err
-}
-
-// slotLocks: session advisory locks, keyed by the records table's oid and
-// the slot number, with key 64 for the shared lock that counts the
-// dispatchers; pg_locks tells who holds what, and pg_stat_activity which
-// sessions have been silent.
-func (postgresDialect) slotLocks() slotLocks { return postgresSlots{} }
-
-// postgresSlots implements slotLocks with advisory locks.
-type postgresSlots struct{}
-
-// slotOf hashes the aggregate with hashtext; a collision between two
-// aggregates only puts them in one slot.
-func (postgresSlots) slotOf(a string) string {
-	return `(hashtext(` + a + `.aggregate_type || ':' || ` + a + `.aggregate_id) & 63)`
-}
-
-func (postgresSlots) inSlots(slot string) string { return `(?::int8 >> ` + slot + `) & 1 = 1` }
-
-// window reads the bounded run of oldest due rows through the due index,
-// as windowSQL does, keeps those of the slots, and locks only those: each
-// is fetched again by primary key, and locked, once the LIMIT wants it.
-func (p postgresSlots) window(t tables, serverStart string) string {
-	return `SELECT r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence, ` + serverStart + `
-FROM (
-	SELECT c.id, c.next_attempt_at, ` + p.slotOf("c") + ` AS slot FROM ` + t.records + ` c
-	WHERE ` + dueSQL("c") + `
-	ORDER BY c.next_attempt_at, c.id
-	LIMIT ?
-) w JOIN ` + t.records + ` r ON r.id = w.id
-WHERE ` + p.inSlots("w.slot") + ` AND ` + dueSQL("r") + `
-ORDER BY w.next_attempt_at, w.id
-LIMIT ?
-FOR UPDATE OF r SKIP LOCKED`
-}
-
-// slotMembers is the key of the shared lock that counts the dispatchers.
-const slotMembers = slotCount
-
-// open connects with pgx, from the DSN that db's pool was opened with:
-// slots need a *gorm.DB opened by gorm.io/driver/postgres from a DSN (not
-// from a pool of the caller's, whose connections it cannot open more of).
-// Settings that the *gorm.DB's pool takes from elsewhere than the DSN
-// (postgres.Config.OptionOpenDB hooks, such as one that sets a password)
-// do not reach this connection. A pooler that hands each statement to
-// another server session (PgBouncer's transaction pooling) cannot keep
-// session locks: it is refused when the first two statements run in two
-// sessions, which is not always the case, so dispatchers must connect to
-// the server itself, or through a pooler in session mode (as listening
-// needs too).
-func (postgresSlots) open(ctx context.Context, db *gorm.DB, t tables) (slotSession, error) {
-	var cfg *postgres.Config
-	switch dl := db.Dialector.(type) {
-	case *postgres.Dialector:
-		cfg = dl.Config
-	case postgres.Dialector:
-		cfg = dl.Config
-	}
-	if cfg == nil || cfg.Conn != nil || cfg.DSN == "" || (cfg.DriverName != "" && cfg.DriverName != "pgx" && cfg.DriverName != "pgx/v5") {
-		return nil, fmt.Errorf("%w: the *gorm.DB was not opened from a DSN by the pgx driver", errNoSlots)
-	}
-	connCfg, err := pgx.ParseConfig(cfg.DSN)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errNoSlots, err)
-	}
-	if cfg.PreferSimpleProtocol {
-		connCfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
-	}
-	conn, err := pgx.ConnectConfig(ctx, connCfg)
-	if err != nil {
-		return nil, err
-	}
-	s := &postgresSession{conn: conn}
-	var pid1, pid2 int64
-	err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid1)
-	if err == nil {
-		err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid2)
-	}
-	if err == nil && pid1 != pid2 {
-		err = fmt.Errorf("%w: statements of one connection run in different server sessions (a pooler in transaction mode)", errNoSlots)
-	}
-	if err == nil {
-		err = conn.QueryRow(ctx, `SELECT $1::regclass::oid::int8`, t.records).Scan(&s.ns)
-	}
-	if err == nil {
-		_, err = conn.Exec(ctx, `SELECT pg_advisory_lock_shared($1::int8::oid::int4, $2)`, s.ns, slotMembers)
-	}
-	if err != nil {
-		s.close()
-		return nil, err
-	}
-	return s, nil
-}
-
-// postgresSession is a pgx connection that holds the slot locks of the
-// table with oid ns.
-type postgresSession struct {
-	conn *pgx.Conn
-	ns   int64
-}
-
-func (s *postgresSession) holders(ctx context.Context, silent time.Duration) (members int, mine, others, stale uint64, err error) {
-	rows, err := s.conn.Query(ctx, `SELECT l.objid::int8, l.pid = pg_backend_pid(),
-	coalesce(a.state = 'idle' AND a.state_change < now() - $2 * interval '1 microsecond', false)
-FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::int8::oid
-	AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())`, s.ns, silent.Microseconds())
-	if err != nil {
-		return 0, 0, 0, 0, err
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			key         int64
-			self, quiet bool
-		)
-		if err := rows.Scan(&key, &self, &quiet); err != nil {
-			return 0, 0, 0, 0, err
-		}
-		switch {
-		case key == slotMembers:
-			members++
-		case key < 0 || key >= slotCount:
-		case self:
-			mine |= 1 << key
-		default:
-			others |= 1 << key
-			if quiet {
-				stale |= 1 << key
-			}
-		}
-	}
-	return members, mine, others, stale, rows.Err()
-}
-
-func (s *postgresSession) lock(ctx context.Context, slots uint64) (uint64, error) {
-	rows, err := s.conn.Query(ctx, `SELECT n FROM unnest($2::int4[]) n WHERE pg_try_advisory_lock($1::int8::oid::int4, n)`, s.ns, slotList(slots))
-	if err != nil {
-		return 0, err
-	}
-	defer rows.Close()
-	var got uint64
-	for rows.Next() {
-		var n int32
-		if err := rows.Scan(&n); err != nil {
-			return got, err
-		}
-		got |= 1 << n
-	}
-	return got, rows.Err()
-}
-
-func (s *postgresSession) unlock(ctx context.Context, slots uint64) error {
-	_, err := s.conn.Exec(ctx, `SELECT pg_advisory_unlock($1::int8::oid::int4, n) FROM unnest($2::int4[]) n`, s.ns, slotList(slots))
-	return err
-}
-
-// slotList returns the slots of a bit mask.
-func slotList(mask uint64) []int32 {
-	var list []int32
-	for n := range int32(slotCount) {
-		if mask&(1<<n) != 0 {
-			list = append(list, n)
-		}
-	}
-	return list
-}
-
-// close closes the connection; the server then ends the session's locks.
-func (s *postgresSession) close() {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	_ = s.conn.Close(ctx)
 }

@@ -4,122 +4,214 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/json"
 	"fmt"
-	"strings"
 	"time"
 
 	"gorm.io/gorm"
 )
 
+// sqliteDialect is SQLite, through mattn/go-sqlite3 (gorm.io/driver/sqlite).
+// A claim holds the database's write lock from its first read to its
+// lease (BEGIN IMMEDIATE), so it needs no row locks; lists travel as JSON
+// text, read with json_each; timestamps are text in one fixed-width UTC
+// form; there are no notifications.
 type sqliteDialect struct{}
 
 // sqliteTime is the one text form of timestamps in SQLite: fixed width and
 // always UTC, so that text comparison is time comparison.
 const sqliteTime = "2006-01-02 15:04:05.000000000+00:00"
 
+func (sqliteDialect) name() string { return "sqlite" }
+
+func (sqliteDialect) tables(name string) tables { return tablesFor(name) }
+
 func (sqliteDialect) bind(query string) string { return query }
 
 func (sqliteDialect) timeArg(t time.Time) any { return t.UTC().Format(sqliteTime) }
-
-func (sqliteDialect) schema(t tables) []string {
-	return append([]string{
-		// AUTOINCREMENT: ids are never reused after cleanup deletes the newest
-		// rows, so id order stays insertion order.
-		`CREATE TABLE IF NOT EXISTS ` + t.records + ` (
-	id                 INTEGER  PRIMARY KEY AUTOINCREMENT,
-	event_id           TEXT     NOT NULL UNIQUE,
-	event_type         TEXT     NOT NULL,
-	aggregate_type     TEXT     NOT NULL,
-	aggregate_id       TEXT     NOT NULL,
-	aggregate_sequence INTEGER  NOT NULL,
-	idempotency_key    TEXT     NOT NULL UNIQUE,
-	payload            TEXT     NOT NULL CHECK (json_valid(payload)),
-	headers            TEXT     CHECK (headers IS NULL OR json_valid(headers)),
-	delivery_state     TEXT     NOT NULL DEFAULT 'pending'
-		CHECK (delivery_state IN ('pending', 'delivering', 'delivered', 'retry', 'failed')),
-	delivery_attempts  INTEGER  NOT NULL DEFAULT 0,
-	next_attempt_at    DATETIME NOT NULL,
-	batch_id           TEXT,
-	last_error         TEXT,
-	locked_until       DATETIME,
-	occurred_at        DATETIME NOT NULL,
-	created_at         DATETIME NOT NULL,
-	updated_at         DATETIME NOT NULL,
-	delivered_at       DATETIME
-)`,
-		`CREATE TABLE IF NOT EXISTS ` + t.sequences + ` (
-	aggregate_type TEXT    NOT NULL,
-	aggregate_id   TEXT    NOT NULL,
-	last_sequence  INTEGER NOT NULL,
-	PRIMARY KEY (aggregate_type, aggregate_id)
-) WITHOUT ROWID`,
-	}, commonIndexes(t)...)
-}
-
-func (d sqliteDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, _ bool) (bool, error) {
-	var seq int64
-	if err := conn.QueryRowContext(ctx, `INSERT INTO `+t.sequences+` (aggregate_type, aggregate_id, last_sequence)
-VALUES (?, ?, 1)
-ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_sequence = last_sequence + 1
-RETURNING last_sequence`, e.aggregateType, e.aggregateID).Scan(&seq); err != nil {
-		return false, err
-	}
-	ts := d.timeArg(now)
-	res, err := conn.ExecContext(ctx, `INSERT INTO `+t.records+` (event_id, event_type, aggregate_type,
-	aggregate_id, aggregate_sequence, idempotency_key, payload, headers, delivery_state,
-	delivery_attempts, next_attempt_at, occurred_at, created_at, updated_at)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)
-ON CONFLICT (idempotency_key) DO NOTHING`,
-		e.id, e.typ, e.aggregateType, e.aggregateID, seq, e.key, e.payload, e.headers,
-		ts, d.timeArg(e.occurredAt), ts, ts)
-	if err != nil {
-		return false, err
-	}
-	if n, err := res.RowsAffected(); err != nil || n == 1 {
-		return err == nil, err
-	}
-	return false, releaseSequence(ctx, d, conn, t, e)
-}
-
-func (sqliteDialect) idsIn(ids []int64) (string, []any) {
-	args := make([]any, len(ids))
-	for i, id := range ids {
-		args[i] = id
-	}
-	return "IN (?" + strings.Repeat(", ?", len(ids)-1) + ")", args
-}
-
-func (sqliteDialect) skipLocked() string { return "" }
-
-func (sqliteDialect) serverStart() string { return "NULL" }
 
 // readTime returns the stored text: mattn/go-sqlite3 reads a DATETIME
 // column's text that it cannot parse as the zero time, without an error.
 func (sqliteDialect) readTime(column string) string { return "CAST(" + column + " AS TEXT)" }
 
-// asyncCommit is empty: how a SQLite commit syncs is the connection's
-// synchronous pragma (mattn/go-sqlite3 sets NORMAL unless the DSN's _sync
-// says otherwise; in WAL mode NORMAL syncs only at checkpoints).
-func (sqliteDialect) asyncCommit() string { return "" }
+func (sqliteDialect) idList(ids []int64) any { return jsonText(ids) }
 
-// planComment is empty: the SQLite driver prepares, and so plans, a
-// statement anew for each run of it, and a comment would only multiply
-// the statements that GORM's PrepareStmt keeps.
-func (sqliteDialect) planComment(int) string { return "" }
+func (sqliteDialect) textList(s []string) any {
+	if s == nil {
+		return nil
+	}
+	return jsonText(s)
+}
 
-func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
+func (sqliteDialect) eventList(events []aggregateSeq) []any {
+	list := make([][3]any, len(events))
+	for i, e := range events {
+		list[i] = [3]any{e.agg.typ, e.agg.id, e.seq}
+	}
+	return []any{jsonText(list)}
+}
 
-// rejectsData: SQLite stores any text it is given; encode has checked it.
-func (sqliteDialect) rejectsData(error) bool { return false }
+func jsonText(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("outbox: encode a list: %v", err)) // lists of ids and strings always encode
+	}
+	return string(b)
+}
 
-// slotLocks: one writer at a time drains an SQLite database; there is
-// nothing to share.
-func (sqliteDialect) slotLocks() slotLocks { return nil }
+// statements. Placeholders are numbered (?1, ?2, ...) so that an argument
+// serves twice. Nothing locks rows: claimTx holds the database.
+func (d sqliteDialect) statements(t tables) statements {
+	r := t.records
+	v := t.quote(t.name + "_migrations")
+	return statements{
+		createVersions: `CREATE TABLE IF NOT EXISTS ` + v + ` (
+	version    INTEGER PRIMARY KEY,
+	name       TEXT     NOT NULL,
+	applied_at DATETIME NOT NULL
+)`,
+		versions:      `SELECT version FROM ` + v,
+		recordVersion: `INSERT INTO ` + v + ` (version, name, applied_at) VALUES (?1, ?2, ?3)`,
 
-// claimTx runs fn inside immediate, so that the window's read and the
+		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
+	AND (locked_until IS NULL OR locked_until <= ?1)
+ORDER BY next_attempt_at, id
+LIMIT ?2`,
+
+		undelivered: `SELECT EXISTS (
+	SELECT 1 FROM ` + r + ` p
+	WHERE p.aggregate_type = json_extract(u.value, '$[0]') AND p.aggregate_id = json_extract(u.value, '$[1]')
+		AND p.aggregate_sequence = json_extract(u.value, '$[2]') AND p.delivery_state <> 'delivered')
+FROM json_each(?1) AS u
+ORDER BY u.key`,
+
+		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
+	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.next_attempt_at FROM ` + r + ` c
+	WHERE c.delivery_state IN ('pending', 'retry', 'delivering') AND c.next_attempt_at <= ?1
+		AND (c.locked_until IS NULL OR c.locked_until <= ?1)
+	ORDER BY c.next_attempt_at, c.id
+	LIMIT ?2
+) w
+WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
+	SELECT 1 FROM ` + r + ` p
+	WHERE p.aggregate_type = w.aggregate_type AND p.aggregate_id = w.aggregate_id
+		AND p.aggregate_sequence = w.aggregate_sequence - 1 AND p.delivery_state <> 'delivered')
+ORDER BY w.next_attempt_at, w.id
+LIMIT ?3`,
+
+		runs: `SELECT u.key + 1, x.id, x.aggregate_sequence,
+	x.delivery_state IN ('pending', 'retry', 'delivering') AND x.next_attempt_at <= ?1
+		AND (x.locked_until IS NULL OR x.locked_until <= ?1)
+FROM json_each(?3) AS u
+JOIN ` + r + ` x ON x.aggregate_type = json_extract(u.value, '$[0]') AND x.aggregate_id = json_extract(u.value, '$[1]')
+	AND x.aggregate_sequence >= json_extract(u.value, '$[2]') AND x.aggregate_sequence < json_extract(u.value, '$[2]') + ?2
+	AND x.delivery_state <> 'delivered'`,
+
+		lease: `UPDATE ` + r + ` SET
+	delivery_state = 'delivering', batch_id = ?1, locked_until = ?2, next_attempt_at = ?2, updated_at = ?3
+WHERE id IN (SELECT value FROM json_each(?4))
+RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+	idempotency_key, payload, headers, CAST(occurred_at AS TEXT), delivery_attempts`,
+
+		settleDelivered: `UPDATE ` + r + ` SET
+	delivery_state = 'delivered', delivery_attempts = delivery_attempts + 1, next_attempt_at = ?1,
+	last_error = NULL, failure_kind = NULL, locked_until = NULL, delivered_at = ?1, updated_at = ?1
+WHERE id IN (SELECT value FROM json_each(?3)) AND batch_id = ?2 AND delivery_state = 'delivering'`,
+
+		settleOther: `UPDATE ` + r + ` SET
+	delivery_state = ?1, delivery_attempts = ?2, next_attempt_at = ?3,
+	last_error = coalesce(?4, last_error), failure_kind = ?5, locked_until = NULL, updated_at = ?6
+WHERE id IN (SELECT value FROM json_each(?8)) AND batch_id = ?7 AND delivery_state = 'delivering'`,
+
+		blockers: `WITH seen AS MATERIALIZED (
+	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
+		SELECT aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+		WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
+		ORDER BY next_attempt_at, id
+		LIMIT ?2
+	) c
+	GROUP BY c.aggregate_type, c.aggregate_id
+	HAVING max(c.aggregate_sequence) > 1
+), heads AS MATERIALIZED (
+	SELECT bt, ba, ws, (SELECT min(m.aggregate_sequence) FROM ` + r + ` m
+		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
+	FROM seen
+), waits AS MATERIALIZED (
+	SELECT bt, ba, hs, (SELECT CASE
+			WHEN h.delivery_state = 'failed' THEN 'failed'
+			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > ?1 OR hs < ws) THEN h.delivery_state
+		END FROM ` + r + ` h
+		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
+			AND h.delivery_state <> 'delivered') AS state
+	FROM heads
+	WHERE hs IS NOT NULL
+)
+SELECT bt, ba, hs, state, CASE WHEN state = 'failed' THEN ?3 ELSE (SELECT CAST(h.next_attempt_at AS TEXT) FROM ` + r + ` h
+		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs) END
+FROM waits WHERE state IS NOT NULL`,
+
+		park: `UPDATE ` + r + ` SET next_attempt_at = ?1, updated_at = ?2
+WHERE aggregate_type = ?3 AND aggregate_id = ?4 AND aggregate_sequence > ?5
+	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?1
+	AND EXISTS (SELECT 1 FROM ` + r + ` h
+		WHERE h.aggregate_type = ?3 AND h.aggregate_id = ?4 AND h.aggregate_sequence = ?5
+			AND h.delivery_state = ?6)`,
+
+		unpark: `UPDATE ` + r + ` SET next_attempt_at = ?1, updated_at = ?1
+WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > ?1
+	AND (aggregate_type, aggregate_id) IN (
+		SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?2))`,
+
+		revive: `UPDATE ` + r + ` SET
+	delivery_state = 'pending', delivery_attempts = 0, revivals = revivals + 1, failure_kind = NULL,
+	next_attempt_at = ?1, updated_at = ?1, locked_until = NULL, batch_id = NULL
+WHERE id IN (
+	SELECT id FROM ` + r + `
+	WHERE delivery_state = 'failed' AND failure_kind = 'exhausted' AND revivals < ?2
+	ORDER BY updated_at, id
+	LIMIT ?3
+)
+RETURNING aggregate_type, aggregate_id`,
+
+		requeue: `UPDATE ` + r + ` SET
+	delivery_state = 'pending', delivery_attempts = 0, revivals = 0, failure_kind = NULL,
+	next_attempt_at = ?1, updated_at = ?1, locked_until = NULL, batch_id = NULL
+WHERE id IN (
+	SELECT id FROM ` + r + `
+	WHERE delivery_state = 'failed'
+		AND (?3 IS NULL OR updated_at < ?3)
+		AND (?4 IS NULL OR event_id IN (SELECT value FROM json_each(?4)))
+		AND (?5 IS NULL OR event_type IN (SELECT value FROM json_each(?5)))
+	ORDER BY updated_at, id
+	LIMIT ?2
+)
+RETURNING aggregate_type, aggregate_id`,
+
+		cleanup: `DELETE FROM ` + r + ` WHERE id IN (
+	SELECT id FROM ` + r + ` WHERE delivery_state = 'delivered' AND delivered_at < ?1
+	ORDER BY delivered_at
+	LIMIT ?2
+)`,
+
+		counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
+		oldestDue: `SELECT CAST(min(next_attempt_at) AS TEXT) FROM ` + r + `
+WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
+	AND (locked_until IS NULL OR locked_until <= ?1)`,
+		lastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
+	}
+}
+
+// claimTx runs fn inside immediate, so that the claim's reads and its
 // lease see one state of the database.
-func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(claimQuerier) error) error {
-	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(sqlQuerier{conn}) })
+func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
+	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
+}
+
+// migrateTx: SQLite's DDL is transactional, and the write lock that
+// immediate takes first makes concurrent migrations queue.
+func (sqliteDialect) migrateTx(ctx context.Context, db *gorm.DB, _ tables, fn func(q querier) error) error {
+	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
 }
 
 // checkPool: immediate takes a connection of its own from db.DB(), which
@@ -131,54 +223,10 @@ func (sqliteDialect) checkPool(db *gorm.DB) error {
 	return nil
 }
 
-// undeliveredChunk is how many events one lookup statement on SQLite
-// names, four arguments each, well within SQLite's limit on arguments.
-const undeliveredChunk = 500
+func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
 
-// undelivered looks the events up with one statement per chunk of them: a
-// VALUES list, one correlated subquery per event through the aggregate
-// index.
-func (sqliteDialect) undelivered(ctx context.Context, q querier, t tables, events []aggregateSeq) ([]bool, error) {
-	out := make([]bool, 0, len(events))
-	for start := 0; start < len(events); start += undeliveredChunk {
-		chunk := events[start:min(start+undeliveredChunk, len(events))]
-		args := make([]any, 0, 4*len(chunk))
-		for i, e := range chunk {
-			args = append(args, i, e.agg.typ, e.agg.id, e.seq)
-		}
-		res, err := q.query(ctx, `SELECT EXISTS (
-	SELECT 1 FROM `+t.records+` p
-	WHERE p.aggregate_type = u.column2 AND p.aggregate_id = u.column3 AND p.aggregate_sequence = u.column4
-		AND p.delivery_state <> 'delivered')
-FROM (VALUES (?, ?, ?, ?)`+strings.Repeat(", (?, ?, ?, ?)", len(chunk)-1)+`) AS u
-ORDER BY u.column1`, args...)
-		if err != nil {
-			return nil, err
-		}
-		found, err := scanBools(res, len(chunk))
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, found...)
-	}
-	return out, nil
-}
-
-// claimRuns reads the heads inside immediate; takes a head alone when its
-// aggregate has nothing undelivered after it, which is the common case and
-// costs no further query; follows the run of the others, in sequence order
-// until the first row that is not due or not the next sequence; and leases
-// what it picked in one statement.
-func (d sqliteDialect) claimRuns(ctx context.Context, db *gorm.DB, t tables, a claimArgs, scan func(resultRows) error) error {
-	return immediate(ctx, db, func(conn *sql.Conn) error {
-		ids, err := d.pick(ctx, conn, t, a)
-		if err != nil || len(ids) == 0 {
-			return err
-		}
-		in, idArgs := d.idsIn(ids)
-		return queryScan(ctx, sqlQuerier{conn}, a.plan+leaseSQL(d, t, "id "+in), append(leaseArgs(d, a), idArgs...), scan)
-	})
-}
+// rejectsData: SQLite stores any text it is given; encode has checked it.
+func (sqliteDialect) rejectsData(error) bool { return false }
 
 // immediate runs fn in a transaction that holds the database's write lock
 // from start to end (BEGIN IMMEDIATE on a connection of its own), so that
@@ -215,71 +263,27 @@ func immediate(ctx context.Context, db *gorm.DB, fn func(conn *sql.Conn) error) 
 	return err
 }
 
-// pick returns the ids of the rows a claim leases, heads in order, each
-// followed by its run. It reads heads lazily, following each run while the
-// heads' cursor stays open, so that it stops scanning once the batch is
-// full.
-func (d sqliteDialect) pick(ctx context.Context, conn *sql.Conn, t tables, a claimArgs) (ids []int64, err error) {
-	now := d.timeArg(a.now)
-	runs, err := conn.PrepareContext(ctx, `SELECT id, aggregate_sequence,
-	delivery_state <> 'failed' AND next_attempt_at <= ?
-FROM `+t.records+`
-WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_sequence >= ? AND delivery_state <> 'delivered'
-ORDER BY aggregate_sequence
-LIMIT ?`)
+func (d sqliteDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, _ bool) (bool, error) {
+	var seq int64
+	if err := conn.QueryRowContext(ctx, `INSERT INTO `+t.sequences+` (aggregate_type, aggregate_id, last_sequence)
+VALUES (?, ?, 1)
+ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_sequence = last_sequence + 1
+RETURNING last_sequence`, e.aggregateType, e.aggregateID).Scan(&seq); err != nil {
+		return false, err
+	}
+	ts := d.timeArg(now)
+	res, err := conn.ExecContext(ctx, `INSERT INTO `+t.records+` (event_id, event_type, aggregate_type,
+	aggregate_id, aggregate_sequence, idempotency_key, payload, headers, delivery_state,
+	delivery_attempts, next_attempt_at, occurred_at, created_at, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)
+ON CONFLICT (idempotency_key) DO NOTHING`,
+		e.id, e.typ, e.aggregateType, e.aggregateID, seq, e.key, e.payload, e.headers,
+		ts, d.timeArg(e.occurredAt), ts, ts)
 	if err != nil {
-		return nil, err
+		return false, err
 	}
-	defer runs.Close()
-	heads, err := conn.QueryContext(ctx, headsSQL(t, `r.id, r.aggregate_type, r.aggregate_id, r.aggregate_sequence,
-		EXISTS (SELECT 1 FROM `+t.records+` n
-			WHERE n.aggregate_type = r.aggregate_type AND n.aggregate_id = r.aggregate_id
-				AND n.aggregate_sequence > r.aggregate_sequence AND n.delivery_state <> 'delivered')`)+`
-	LIMIT ?`, now, scanWindow(a.limit), now, a.limit)
-	if err != nil {
-		return nil, err
+	if n, err := res.RowsAffected(); err != nil || n == 1 {
+		return err == nil, err
 	}
-	defer heads.Close()
-	for len(ids) < a.limit && heads.Next() {
-		var (
-			id, seq  int64
-			typ, agg string
-			more     bool
-		)
-		if err := heads.Scan(&id, &typ, &agg, &seq, &more); err != nil {
-			return nil, err
-		}
-		if !more {
-			ids = append(ids, id)
-			continue
-		}
-		if ids, err = followRun(ctx, runs, ids, a.limit, now, typ, agg, seq); err != nil {
-			return nil, err
-		}
-	}
-	return ids, heads.Err()
-}
-
-// followRun appends to ids the run that starts at sequence seq of the
-// aggregate, up to limit ids in all.
-func followRun(ctx context.Context, runs *sql.Stmt, ids []int64, limit int, now any, typ, agg string, seq int64) ([]int64, error) {
-	run, err := runs.QueryContext(ctx, now, typ, agg, seq, limit-len(ids))
-	if err != nil {
-		return nil, err
-	}
-	defer run.Close()
-	for next := seq; run.Next(); next++ {
-		var (
-			id, got int64
-			due     bool
-		)
-		if err := run.Scan(&id, &got, &due); err != nil {
-			return nil, err
-		}
-		if got != next || !due {
-			break
-		}
-		ids = append(ids, id)
-	}
-	return ids, run.Err()
+	return false, releaseSequence(ctx, d, conn, t, e)
 }

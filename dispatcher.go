@@ -46,31 +46,23 @@ const (
 // delivered at least once. Consumers deduplicate on Message.EventID.
 //
 // Per aggregate, a message is claimed only once the sequence before it has
-// been delivered (or is in the same batch, before it, or this dispatcher
-// saw it accepted), so a publisher never receives sequence n+1 before
-// sequence n was accepted. A
-// dead-lettered (failed) message therefore holds back the later messages
-// of its own aggregate, and of no other, until [Dispatcher.RetryFailed]
-// brings it back and it is delivered, or an operator deletes its row. The
-// later messages are parked meanwhile, looked at again once per lease, and
-// made due at once when RetryFailed brings their dead letter back. (A
-// message delivered again because a publish outlived its lease holds back
-// nothing that was accepted after its first delivery.)
+// been delivered (or is in the same batch, before it), so a publisher never
+// receives sequence n+1 before sequence n was accepted. A dead-lettered
+// (failed) message therefore holds back the later messages of its own
+// aggregate, and of no other, until the retry_failed sweep
+// ([Dispatcher.RetryFailed]) or a person ([Dispatcher.Requeue]) brings it
+// back and it is delivered, or an operator deletes its row. The later
+// messages are parked meanwhile, looked at again once per lease, and made
+// due at once when their dead letter comes back. (A message delivered again
+// because a publish outlived its lease holds back nothing that was
+// accepted after its first delivery.)
 //
 // A claim takes the oldest due messages that keep each aggregate's order,
-// so that a batch is what was written together. On PostgreSQL, dispatchers
-// that [Dispatcher.Run] side by side with [WithSlots] split the aggregates
-// between them (64 slots by a hash of the aggregate, held as advisory
-// locks; see Run),
-// and each takes the oldest messages of its own share, and of all
-// aggregates when its share has none due. When some of the oldest are held
-// back (another dispatcher holds their aggregates, or an earlier message
-// waits for a retry), a claim tops its batch up with runs: from the
+// so that a batch is what was written together; when some of the oldest
+// are held back (another dispatcher holds their aggregates, or an earlier
+// message waits for a retry), it tops the batch up with runs: from the
 // aggregates whose next undelivered message has waited longest, each one's
-// consecutive due messages in sequence order; a dispatcher that holds no
-// share then takes runs alone for ten poll intervals. An aggregate
-// with a deep backlog may fill a batch of runs on its own, delaying a
-// fresher aggregate by at most that batch.
+// consecutive due messages in sequence order (see claim.go).
 //
 // On PostgreSQL, a claim's lease and a settle commit with
 // synchronous_commit off, in their own transactions only: they do not wait
@@ -96,6 +88,7 @@ type Dispatcher struct {
 	pub Publisher
 	d   dialect
 	t   tables
+	st  statements
 
 	batchSize      int
 	lease          time.Duration
@@ -107,18 +100,12 @@ type Dispatcher struct {
 	sweepLimit     int
 	log            *slog.Logger
 	listen         bool
-	slotsOn        bool
+	maxRevivals    int
 
-	wake        chan struct{}
-	inProcess   atomic.Bool   // Run is woken by in-process writes
-	lastPark    atomic.Int64  // unix nanoseconds of the last parkBlocked
-	runsUntil   atomic.Int64  // unix nanoseconds until which claims take runs only
-	accepted    acceptedSeqs  // the last events of aggregates this dispatcher delivered
-	slots       atomic.Uint64 // the slots this dispatcher holds (slots.go)
-	staleSlots  atomic.Uint64 // slots of silent dispatchers, claimed too
-	holding     atomic.Bool   // a Run of this dispatcher keeps its slots
-	dispatching atomic.Int64  // unix nanoseconds when Run's dispatch in progress began, or 0
-	readID      atomic.Int64  // the highest row id a claim has read (plan.go)
+	wake      chan struct{}
+	inProcess atomic.Bool  // Run is woken by in-process writes
+	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
+	runsOnly  bool         // claims skip the window: set by tests that specify run claims
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
@@ -228,24 +215,6 @@ func WithSweepLimit(n int) DispatcherOption {
 	}
 }
 
-// WithSlots sets whether [Dispatcher.Run], on PostgreSQL, splits the
-// table's aggregates with the other Runs that have slots on (default
-// false; see Run). With several dispatchers on one table it raises the
-// rate at which they drain a backlog (four dispatchers at batch 1,000:
-// from 0.68 to about 0.9 of a raw claim loop without ordering, in this
-// project's benchmark), and it costs latency under a steady load that no
-// dispatcher falls behind on: each event waits for the dispatcher that
-// holds its slot (in the project's load test, 4 dispatchers and 1,200
-// events/s, the median delay from commit to publish rose from 5 ms to
-// 26-29 ms). Each Run with slots holds one more connection to the
-// server, outside the pool.
-func WithSlots(enabled bool) DispatcherOption {
-	return func(d *Dispatcher) error {
-		d.slotsOn = enabled
-		return nil
-	}
-}
-
 // WithLogger sets the logger (default slog.Default() at construction).
 func WithLogger(l *slog.Logger) DispatcherOption {
 	return func(d *Dispatcher) error {
@@ -281,7 +250,6 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 		db:             db,
 		pub:            p,
 		d:              dl,
-		t:              tablesFor(DefaultTable),
 		batchSize:      DefaultBatchSize,
 		lease:          DefaultLease,
 		publishTimeout: DefaultPublishTimeout,
@@ -292,11 +260,11 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 		sweepLimit:     DefaultSweepLimit,
 		log:            slog.Default(),
 		listen:         true,
+		maxRevivals:    DefaultMaxRevivals,
 		wake:           make(chan struct{}, 1),
 	}
-	if plugin, err := pluginOf(db); err == nil {
-		d.t = plugin.tables
-	}
+	d.t = dl.tables(tableNameOf(db))
+	d.st = dl.statements(d.t)
 	for _, opt := range opts {
 		if err := opt(d); err != nil {
 			return nil, err
@@ -305,20 +273,11 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if d.publishTimeout >= d.lease {
 		return nil, fmt.Errorf("%w: WithPublishTimeout: %v must be shorter than the lease (%v)", ErrInvalidOption, d.publishTimeout, d.lease)
 	}
-	d.accepted.limit = acceptedLimit(d.batchSize)
 	return d, nil
 }
 
-// claimed is one claimed row: its message and what settling it needs.
-type claimed struct {
-	id       int64
-	attempts int // attempts made before this one
-	msg      Message
-	bad      error // the row cannot be read into a message (scanLeased)
-	// serverStart names the start or recovery of the server that leased
-	// the row (dialect.serverStart, acceptedSeqs).
-	serverStart string
-}
+// pool is what the dispatcher's statements outside a claim run on.
+func (d *Dispatcher) pool() gorm.ConnPool { return d.db.Statement.ConnPool }
 
 // DispatchOnce runs one round: it claims up to the batch size of due rows,
 // publishes them as one batch, and settles each row. It returns how many
@@ -326,52 +285,62 @@ type claimed struct {
 // another dispatcher leaves that row alone.
 //
 // Cancelling ctx abandons the publish (the batch is then retried); the
-// settle always runs to completion.
+// settle always runs to completion. [Dispatcher.Dispatch] says more about
+// the round, for a drain loop of your own.
 func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
-	r, err := d.dispatch(ctx)
-	return r.delivered, err
+	r, err := d.Dispatch(ctx)
+	return r.Delivered, err
 }
 
-// dispatched is what one dispatch did.
-type dispatched struct {
-	claimed, delivered int
-	// more reports that the claim stopped for want of room in the batch,
-	// or that parking moved rows that held the claim's window back, so
-	// that due rows it can take may remain.
-	more bool
+// DispatchResult is what one round of [Dispatcher.Dispatch] did.
+type DispatchResult struct {
+	// Claimed is how many rows the round claimed and settled; Delivered,
+	// how many of them were accepted and marked delivered.
+	Claimed, Delivered int
+	// More reports that due rows may remain that this round had no room
+	// for (its batch was full), or that parking released rows that held
+	// its claim back: a drain loop calls Dispatch again at once while More
+	// is true, and otherwise waits for a wake-up or its poll interval.
+	More bool
 }
 
-// dispatch claims, publishes and settles one batch.
-func (d *Dispatcher) dispatch(ctx context.Context) (r dispatched, err error) {
+// Dispatch is [Dispatcher.DispatchOnce] with the round's whole result:
+//
+//	for {
+//		r, err := d.Dispatch(ctx)
+//		if err != nil || !r.More {
+//			break // or wait, and go on
+//		}
+//	}
+func (d *Dispatcher) Dispatch(ctx context.Context) (r DispatchResult, err error) {
 	c, err := d.claim(ctx)
 	if err != nil {
-		return dispatched{}, err
+		return DispatchResult{}, err
 	}
-	batchID, rows, more := c.batchID, c.rows, c.more
-	if c.park && len(rows) < d.batchSize {
+	if c.heldBack && len(c.rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
 		defer func() {
-			if d.parkBlocked(context.WithoutCancel(ctx), c.slots) && err == nil {
-				r.more = true // the next claim's window may reach rows it can take
+			if d.parkBlocked(context.WithoutCancel(ctx)) && err == nil {
+				r.More = true // the next claim's window may reach rows it can take
 			}
 		}()
 	}
-	if len(rows) == 0 {
-		return dispatched{}, nil
+	if len(c.rows) == 0 {
+		return DispatchResult{}, nil
 	}
-	batch := Batch{ID: batchID, Messages: make([]Message, 0, len(rows))}
-	held := unreadable(rows)
-	for _, r := range rows {
-		if !held.withholds(r) {
-			batch.Messages = append(batch.Messages, r.msg)
+	batch := Batch{ID: c.batchID, Messages: make([]Message, 0, len(c.rows))}
+	held := unreadable(c.rows)
+	for _, row := range c.rows {
+		if !held.withholds(row) {
+			batch.Messages = append(batch.Messages, row.msg)
 		}
 	}
 	var pubErr error
 	if len(batch.Messages) > 0 {
 		pubErr = d.publish(ctx, batch)
 	}
-	delivered, err := d.settle(context.WithoutCancel(ctx), batch.ID, rows, pubErr)
-	return dispatched{claimed: len(rows), delivered: delivered, more: more}, err
+	delivered, err := d.settle(context.WithoutCancel(ctx), batch.ID, c.rows, pubErr)
+	return DispatchResult{Claimed: len(c.rows), Delivered: delivered, More: c.more}, err
 }
 
 // unreadableSeqs maps each aggregate of a batch that has a row that cannot

@@ -54,8 +54,7 @@ func TestPublisherFaultsTogether(t *testing.T) {
 		var wg sync.WaitGroup
 		running := make([]bool, 2)
 		for i := range running {
-			// With slots, on PostgreSQL: the two split the aggregates.
-			d := newDispatcher(t, b.db, f, outbox.WithSlots(true), outbox.WithBatchSize(8), outbox.WithMaxAttempts(maxAttempts),
+			d := newDispatcher(t, b.db, f, outbox.WithBatchSize(8), outbox.WithMaxAttempts(maxAttempts),
 				outbox.WithPublishTimeout(150*time.Millisecond), outbox.WithLease(5*time.Second), outbox.WithPollInterval(10*time.Millisecond),
 				outbox.WithRetryPolicy(outbox.RetryPolicyFunc(func(int, error) time.Duration { return 10 * time.Millisecond })))
 			running[i] = true

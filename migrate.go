@@ -1,32 +1,160 @@
 package outbox
 
 import (
+	"context"
+	"embed"
 	"fmt"
+	"io/fs"
+	"path"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
 
 	"gorm.io/gorm"
 )
 
-// AutoMigrate creates the outbox table, its sequence table and their
-// indexes if they do not exist, in one transaction. It uses the table name
-// of the plugin registered on db, or [DefaultTable] when there is none.
-// It is safe to call at every start-up and from many replicas at once (on
-// PostgreSQL, concurrent calls queue on an advisory lock); it never alters
-// or drops existing tables.
-func AutoMigrate(db *gorm.DB) error {
-	t := tablesFor(DefaultTable)
-	if p, err := pluginOf(db); err == nil {
-		t = p.tables
+// Migrations holds the schema as ordered SQL files per engine, the same
+// files AutoMigrate applies: migrations/postgres/0001_init.sql,
+// migrations/sqlite/0001_init.sql, ... Teams that run their own migration
+// tool (golang-migrate, goose, Atlas) apply them with it, in name order;
+// the files name the default table, outbox_records. Each file is a list of
+// statements, each ending with a semicolon at the end of a line.
+//
+//go:embed migrations
+var Migrations embed.FS
+
+// migration is one versioned SQL file of an engine.
+type migration struct {
+	version int
+	name    string
+	sql     string
+}
+
+var migrationFile = regexp.MustCompile(`^(\d{4})_([a-z0-9_]+)\.sql$`)
+
+// migrationsFor reads the migrations of engine, in version order.
+func migrationsFor(engine string) ([]migration, error) {
+	dir := path.Join("migrations", engine)
+	entries, err := fs.ReadDir(Migrations, dir)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: migrations of %s: %w", engine, err)
 	}
+	var ms []migration
+	for _, e := range entries {
+		m := migrationFile.FindStringSubmatch(e.Name())
+		if m == nil {
+			continue
+		}
+		text, err := fs.ReadFile(Migrations, path.Join(dir, e.Name()))
+		if err != nil {
+			return nil, fmt.Errorf("outbox: migrations of %s: %w", engine, err)
+		}
+		v, _ := strconv.Atoi(m[1])
+		ms = append(ms, migration{version: v, name: m[2], sql: string(text)})
+	}
+	sort.Slice(ms, func(i, j int) bool { return ms[i].version < ms[j].version })
+	return ms, nil
+}
+
+// defaultName is how the migration files name the records table; every
+// other name in them (the sequences table, the indexes) starts with it.
+var defaultName = regexp.MustCompile(`\b` + DefaultTable + `(\w*)`)
+
+// statementsOf splits a migration into its statements, naming t's tables
+// and indexes instead of the default ones, and leaves out comments.
+func statementsOf(m migration, t tables) []string {
+	var out []string
+	var cur strings.Builder
+	for _, line := range strings.Split(m.sql, "\n") {
+		trimmed := strings.TrimSpace(line)
+		if trimmed == "" || strings.HasPrefix(trimmed, "--") {
+			continue
+		}
+		cur.WriteString(line)
+		cur.WriteByte('\n')
+		if strings.HasSuffix(trimmed, ";") {
+			stmt := strings.TrimSuffix(strings.TrimSpace(cur.String()), ";")
+			out = append(out, defaultName.ReplaceAllStringFunc(stmt, func(s string) string {
+				return t.quote(t.name + strings.TrimPrefix(s, DefaultTable))
+			}))
+			cur.Reset()
+		}
+	}
+	return out
+}
+
+// AutoMigrate brings the outbox tables of db up to the newest schema
+// version: it applies, in order, the migrations (see [Migrations]) that
+// the table's version table (<table>_migrations) does not list, and
+// records each. It uses the table name of the plugin registered on db, or
+// [DefaultTable] when there is none.
+//
+// It is safe to call at every start-up and from many processes at once:
+// they queue on a lock (an advisory lock on PostgreSQL, the database's
+// write lock on SQLite), and all but the first find nothing to do. A
+// table created before migrations were versioned is upgraded in place:
+// its first version's statements find everything there, and later ones
+// add what is new, keeping every row.
+func AutoMigrate(db *gorm.DB) error {
+	return autoMigrate(context.Background(), db)
+}
+
+func autoMigrate(ctx context.Context, db *gorm.DB) error {
 	d, err := dialectOf(db)
 	if err != nil {
 		return err
 	}
-	return db.Transaction(func(tx *gorm.DB) error {
-		for _, stmt := range d.schema(t) {
-			if err := tx.Exec(stmt).Error; err != nil {
-				return fmt.Errorf("outbox: migrate %s: %w", t.name, err)
+	t := d.tables(tableNameOf(db))
+	ms, err := migrationsFor(d.name())
+	if err != nil {
+		return err
+	}
+	versions := t.quote(t.name + "_migrations")
+	err = d.migrateTx(ctx, db, t, func(q querier) error {
+		if _, err := q.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+versions+` (
+	version    integer PRIMARY KEY,
+	name       varchar(200) NOT NULL,
+	applied_at varchar(40)  NOT NULL
+)`); err != nil {
+			return err
+		}
+		applied := map[int]bool{}
+		rows, err := q.QueryContext(ctx, `SELECT version FROM `+versions)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var v int
+			if err := rows.Scan(&v); err != nil {
+				rows.Close()
+				return err
+			}
+			applied[v] = true
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		for _, m := range ms {
+			if applied[m.version] {
+				continue
+			}
+			for _, stmt := range statementsOf(m, t) {
+				if _, err := q.ExecContext(ctx, stmt); err != nil {
+					return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
+				}
+			}
+			if _, err := q.ExecContext(ctx, d.bind(`INSERT INTO `+versions+` (version, name, applied_at) VALUES (?, ?, ?)`),
+				m.version, m.name, time.Now().UTC().Format(time.RFC3339)); err != nil {
+				return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 			}
 		}
 		return nil
 	})
+	if err != nil {
+		return fmt.Errorf("outbox: migrate %s: %w", t.name, err)
+	}
+	return nil
 }

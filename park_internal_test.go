@@ -53,19 +53,19 @@ func forEngines(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
 	}
 }
 
-// A dead letter that RetryFailed brings back between parking's read and
+// A dead letter that a requeue brings back between parking's read and
 // its write keeps the rows behind it due.
 func TestParkLeavesTheRowsOfABlockerThatCameBackMeanwhile(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		ctx := context.Background()
 		db, d := parkSetup(t, e, 3)
 		now := time.Now() // one time for the read and the write, as parkBlocked does
-		blockers, err := d.blockers(ctx, now, 0)
+		blockers, err := d.blockers(ctx, now)
 		if err != nil || len(blockers) != 1 || blockers[0].sequence != 1 {
 			t.Fatalf("blockers = %+v, %v; want the dead letter, sequence 1", blockers, err)
 		}
-		if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
-			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
+		if n, err := d.Requeue(ctx, RequeueFilter{}); err != nil || n != 1 {
+			t.Fatalf("Requeue = %d, %v; want 1", n, err)
 		}
 		if moved, err := d.park(ctx, blockers, now); err != nil || moved != 0 {
 			t.Fatalf("park = %d, %v; want no row moved", moved, err)
@@ -81,7 +81,7 @@ func TestParkLeavesTheRowsOfABlockerThatCameBackMeanwhile(t *testing.T) {
 // Rows parked behind a dead letter come due again after a lease, behind
 // the rows written meanwhile, which fill the window of due rows: parking
 // must still find the dead letter, or no claim could take anything from
-// that window until RetryFailed.
+// that window until a requeue.
 func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		ctx := context.Background()
@@ -92,7 +92,7 @@ func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T)
 		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, d.d.timeArg(time.Now().Add(-time.Hour)))
 		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, d.d.timeArg(time.Now().Add(-time.Second)))
 
-		d.parkBlocked(ctx, 0)
+		d.parkBlocked(ctx)
 		parked := 0
 		for _, r := range outboxtest.Records(t, db, DefaultTable) {
 			if r.AggregateSequence > 1 && r.NextAttemptAt.After(time.Now().Add(30*time.Minute)) {
@@ -105,26 +105,26 @@ func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T)
 	})
 }
 
-// RetryFailed releases every row parked behind the dead letter it brings
+// Requeue releases every row parked behind the dead letter it brings
 // back, those in retry (not attempted by the dead letter's batch, after an
 // attempt of their own) as well as those pending.
-func TestRetryFailedReleasesTheRowsParkedBehindItsDeadLetter(t *testing.T) {
+func TestRequeueReleasesTheRowsParkedBehindItsDeadLetter(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		ctx := context.Background()
 		db, d := parkSetup(t, e, 3)
 		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1 WHERE aggregate_sequence = 2`)
-		d.parkBlocked(ctx, 0)
+		d.parkBlocked(ctx)
 		for _, r := range outboxtest.Records(t, db, DefaultTable)[1:] {
 			if !r.NextAttemptAt.After(time.Now().Add(30 * time.Minute)) {
 				t.Fatalf("#%d (%s) not parked behind the dead letter: next attempt %v", r.AggregateSequence, r.DeliveryState, r.NextAttemptAt)
 			}
 		}
-		if n, err := d.RetryFailed(ctx); err != nil || n != 1 {
-			t.Fatalf("RetryFailed = %d, %v; want 1", n, err)
+		if n, err := d.Requeue(ctx, RequeueFilter{}); err != nil || n != 1 {
+			t.Fatalf("Requeue = %d, %v; want 1", n, err)
 		}
 		for _, r := range outboxtest.Records(t, db, DefaultTable) {
 			if r.NextAttemptAt.After(time.Now()) {
-				t.Errorf("#%d (%s) still parked until %v after RetryFailed", r.AggregateSequence, r.DeliveryState, r.NextAttemptAt)
+				t.Errorf("#%d (%s) still parked until %v after Requeue", r.AggregateSequence, r.DeliveryState, r.NextAttemptAt)
 			}
 		}
 	})
@@ -164,38 +164,12 @@ func TestParkLeavesTheRowsBehindADueHeadInTheWindow(t *testing.T) {
 		_, d := parkSetup(t, e, 3)
 		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
 		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
-		if blockers, err := d.blockers(context.Background(), time.Now(), 0); err != nil || len(blockers) != 0 {
+		if blockers, err := d.blockers(context.Background(), time.Now()); err != nil || len(blockers) != 0 {
 			t.Fatalf("blockers = %+v, %v; want none", blockers, err)
 		}
 	})
 }
 
-// A claim of a dispatcher's own slots that stepped over rows behind a
-// blocker makes parking look for blockers in those slots, where a look at
-// all of them sees only the older rows of other slots.
-func TestParkLooksForBlockersInTheSlotsTheClaimRead(t *testing.T) {
-	db, d := parkSetup(t, outboxtest.Postgres, 3)
-	var slot int
-	if err := db.Raw(`SELECT hashtext('agg' || ':' || 'dead') & 63`).Scan(&slot).Error; err != nil {
-		t.Fatal(err)
-	}
-	// More older due rows in other slots than parking's window holds.
-	mustExec(t, db, `INSERT INTO outbox_records (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-		idempotency_key, payload, delivery_state, next_attempt_at, occurred_at, created_at, updated_at)
-		SELECT 'o'||g, 't', 'agg', 'o'||g, 1, 'o'||g, '{}', 'pending', now() - interval '1 hour', now(), now(), now()
-		FROM generate_series(1, 5000) g WHERE hashtext('agg:o'||g) & 63 <> ? LIMIT ?`, slot, scanWindow(d.batchSize)+100)
-	ctx := context.Background()
-	if blockers, err := d.blockers(ctx, time.Now(), 0); err != nil || len(blockers) != 0 {
-		t.Fatalf("blockers in all slots = %+v, %v; want none within the window", blockers, err)
-	}
-	blockers, err := d.blockers(ctx, time.Now(), 1<<slot)
-	if err != nil || len(blockers) != 1 || blockers[0].aggregateID != "dead" || blockers[0].sequence != 1 {
-		t.Fatalf("blockers in the slot of dead = %+v, %v; want its dead letter, #1", blockers, err)
-	}
-}
-
-// After parking moved the rows that held a claim's window back, Run claims
-// again at once instead of waiting for its poll interval.
 func TestRunClaimsAgainAtOnceAfterParking(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		// More rows behind the dead letter than a run claim looks at.

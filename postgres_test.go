@@ -216,62 +216,6 @@ func openPool(t *testing.T, dsn string) *sql.DB {
 	return db
 }
 
-// A dispatch reads a few dozen blocks however the table grew after the
-// connection first ran the dispatcher's statements. The driver prepares
-// statements once per connection, and PostgreSQL keeps one plan of a
-// prepared statement for all arguments from its sixth run on, made from
-// what it knew of the table then: made while the table was nearly empty,
-// the lease's plan reads every row and the settle's every due row, as the
-// table grows, until the table is analysed again, which here, autovacuum
-// off, it never is (plan.go).
-func TestPostgresDispatchReadsOnlyItsRowsOfATableThatGrew(t *testing.T) {
-	b := setup(t, outboxtest.Postgres, nil)
-	sqlDB, err := b.db.DB()
-	mustNil(t, err)
-	sqlDB.SetMaxOpenConns(1) // the dispatcher's statements and the statistics' flush share one backend
-	// Ids 1 to 7 first, so that the next eight dispatches' ids, 8 to 15,
-	// are all below 2^4: their statements run eight times each with one
-	// text, and the server keeps a plan for all arguments.
-	publishN(t, b.db, "filler", 7)
-	if n := dispatch(t, newDispatcher(t, b.db, &recorder{})); n != 7 {
-		t.Fatalf("dispatched %d fillers, want 7", n)
-	}
-	for i := range 8 {
-		// A dispatcher that has not seen the event before looks it up.
-		publishN(t, b.db, "small", 1)
-		if n := dispatch(t, newDispatcher(t, b.db, &recorder{})); n != 1 {
-			t.Fatalf("dispatch %d on the small table delivered %d, want 1", i, n)
-		}
-	}
-	var kept []string
-	mustNil(t, b.db.Raw(`SELECT left(statement, 80) FROM pg_prepared_statements
-		WHERE generic_plans > 0 AND statement LIKE '/* outbox: % */ UPDATE%' ORDER BY 1`).Scan(&kept).Error)
-	if len(kept) != 2 {
-		t.Fatalf("the lease and the settle kept %d plans for all arguments on the small table, want both (the premise of this test):\n%s", len(kept), strings.Join(kept, "\n"))
-	}
-	// 20,000 rows delivered and 20,000 due in a day, not analysed.
-	mustNil(t, b.db.Exec(`INSERT INTO outbox_records (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-		idempotency_key, payload, delivery_state, next_attempt_at, occurred_at, created_at, updated_at)
-		SELECT 'e'||g, 't', 'big', g::text, 1, 'k'||g, '{"some":"payload"}', CASE WHEN g % 2 = 0 THEN 'pending' ELSE 'delivered' END,
-			now() + interval '1 day', now(), now(), now() FROM generate_series(1, 40000) g`).Error)
-	publishN(t, b.db, "small", 1)
-	publishN(t, b.db, "after", 1)
-
-	before := blocksTouched(t, b.db)
-	if n := dispatch(t, newDispatcher(t, b.db, &recorder{})); n != 2 {
-		t.Fatalf("dispatch on the big table delivered %d, want 2", n)
-	}
-	switch touched := blocksTouched(t, b.db) - before; {
-	case touched <= 0:
-		t.Fatalf("the statistics counted %d blocks touched: they measure nothing here", touched)
-	case touched > 300:
-		t.Fatalf("dispatching two events of a table of %d rows touched %d blocks of it and its indexes, want a few dozen", 40017, touched)
-	}
-}
-
-// blocksTouched returns how many blocks of the outbox table and its
-// indexes the statements so far read, on a pool of one connection: it
-// flushes that backend's statistics first.
 func blocksTouched(t *testing.T, db *gorm.DB) int64 {
 	t.Helper()
 	mustNil(t, db.Exec(`SELECT pg_stat_force_next_flush()`).Error)

@@ -39,32 +39,11 @@ const followUp = 20 * time.Millisecond
 // wake-ups coalesce: a thousand commits during one batch cause one more
 // claim, not a thousand.
 //
-// On PostgreSQL, Runs with [WithSlots] on one table (in any number of
-// processes) split its aggregates between them: 64 slots by a hash of the aggregate, each Run
-// holding its share (64 divided by the number of Runs, rounded up) as
-// session advisory locks, keyed by the table's oid and the slot, and
-// rebalanced every 250ms as Runs come and go. Each Run's claims take the
-// oldest due events of its own slots first, so that side by side they
-// keep the throughput of one dispatcher draining its backlog in order,
-// instead of holding back each other's aggregates; they claim from all
-// slots when their own have nothing due. Order never rests on the slots:
-// every claim checks it. The events of a Run that is slow but alive wait
-// for it while the others have events of their own to deliver, as a
-// partition waits for its consumer. A Run whose dispatch has not come back for two
-// leases gives its slots back, and the slots of a Run whose lock
-// connection has been silent for a lease (a frozen process) are claimed by
-// the others as their own. The locks live on a connection that Run opens
-// for itself, outside the *gorm.DB's pool, from the DSN the *gorm.DB was
-// opened with (hooks of postgres.Config.OptionOpenDB do not apply to it),
-// and closes before it returns. A *gorm.DB opened on a pool of the
-// caller's (postgres.Config.Conn) or through another driver than pgx
-// allows no slots: Run then claims from all of them, as DispatchOnce does
-// on a dispatcher that is not running, and as a second Run of the same
-// dispatcher does. Dispatchers must reach the server directly or through a
-// pooler in session mode: session locks cannot work through a pooler in
-// transaction mode, which Run detects only when it hands its first two
-// statements to two sessions. Sessions of another role, unless it has
-// pg_read_all_stats, cannot tell whether the Runs of that role are silent.
+// Any number of Runs, in any number of processes, may share a table;
+// each claim checks each aggregate's order itself. On PostgreSQL, Run
+// listens on a connection of its own, so dispatchers must reach the
+// server directly or through a pooler in session mode (LISTEN does not
+// work through a pooler in transaction mode; Run then polls).
 //
 // Errors (a lost connection, a server restart) are logged and retried at
 // the poll interval: Run recovers by itself. When ctx ends, the batch in
@@ -72,15 +51,7 @@ const followUp = 20 * time.Millisecond
 // claimed.
 func (d *Dispatcher) Run(ctx context.Context) error {
 	listenCtx, stopListening := context.WithCancel(ctx)
-	slotsHeld := make(chan struct{})
-	defer func() {
-		stopListening()
-		<-slotsHeld // the slots are released when Run returns
-	}()
-	go func() {
-		defer close(slotsHeld)
-		d.holdSlots(listenCtx)
-	}()
+	defer stopListening()
 	if d.listen {
 		go d.listenLoop(listenCtx)
 	} else {
@@ -101,16 +72,14 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		d.dispatching.Store(time.Now().UnixNano())
-		r, err := d.dispatch(work)
-		d.dispatching.Store(0)
+		r, err := d.Dispatch(work)
 		wait := d.pollInterval
 		switch {
 		case err != nil:
 			d.log.Error("outbox: dispatch failed; retrying", "error", err, "in", wait)
-		case r.more:
+		case r.More:
 			wait = 0
-		case r.claimed == 0 && woken && d.inProcess.Load():
+		case r.Claimed == 0 && woken && d.inProcess.Load():
 			wait = min(wait, followUp)
 		}
 		if !timer.Stop() {
@@ -158,12 +127,12 @@ func (d *Dispatcher) listenLoop(ctx context.Context) {
 // wakeInProcess subscribes Run to the writes made through the plugin on the
 // same *gorm.DB, until ctx ends.
 func (d *Dispatcher) wakeInProcess(ctx context.Context) {
-	p, err := pluginOf(d.db)
-	if err != nil {
+	w, ok := wakerOf(d.db)
+	if !ok {
 		return
 	}
 	d.inProcess.Store(true)
-	remove := p.addWaker(d.Notify)
+	remove := w.addWaker(d.Notify)
 	go func() {
 		<-ctx.Done()
 		remove()

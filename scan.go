@@ -34,24 +34,3 @@ func (s *scanTime) parse(v string) error {
 	}
 	return fmt.Errorf("outbox: unrecognised timestamp %q", v)
 }
-
-// scanBools reads a one-column boolean result that must have exactly n
-// rows, and closes it.
-func scanBools(res resultRows, n int) ([]bool, error) {
-	defer res.Close()
-	out := make([]bool, 0, n)
-	for res.Next() {
-		var b bool
-		if err := res.Scan(&b); err != nil {
-			return nil, err
-		}
-		out = append(out, b)
-	}
-	if err := res.Err(); err != nil {
-		return nil, err
-	}
-	if len(out) != n {
-		return nil, fmt.Errorf("outbox: %d answers to %d lookups", len(out), n)
-	}
-	return out, nil
-}

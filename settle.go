@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -49,7 +50,10 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 			k.attempts = r.attempts + 1
 			k.lastErr, k.hasErr = truncate(err.Error(), maxErrorLen), true
 			if IsPermanent(err) || k.attempts >= d.maxAttempts {
-				k.state = StateFailed
+				k.state, k.kind = StateFailed, failureExhausted
+				if IsPermanent(err) {
+					k.kind = failurePermanent
+				}
 				failed++
 			} else {
 				bk := backoffKey{k.attempts, k.lastErr}
@@ -73,18 +77,9 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 			return 0, fmt.Errorf("outbox: settle batch %s: %w", batchID, err)
 		}
 		settled += n
-		if k.state != StateDelivered {
-			continue
-		}
-		if n < len(groups[k]) {
+		if k.state == StateDelivered && n < len(groups[k]) {
 			delivered -= len(groups[k]) - n
-			continue
 		}
-		// Every accepted row was marked delivered: remember them, so that
-		// the next claim of the events after them needs no lookup. (When
-		// some lease was lost, another dispatcher has those rows, and none
-		// of the batch is remembered.)
-		d.remember(rows, outcomes)
 	}
 	if settled < len(rows) {
 		d.log.Warn("outbox: lease lost before settle; another dispatcher owns those rows now",
@@ -101,17 +96,6 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 	return delivered, nil
 }
 
-// remember records the accepted rows of a batch in d.accepted.
-func (d *Dispatcher) remember(rows []claimed, outcomes []error) {
-	events := make([]aggregateSeq, 0, len(rows))
-	for i, r := range rows {
-		if outcomes[i] == nil {
-			events = append(events, aggregateSeq{aggregateKey{r.msg.AggregateType, r.msg.AggregateID}, r.msg.Sequence})
-		}
-	}
-	d.accepted.add(events, rows[0].serverStart)
-}
-
 // settleKey is one outcome; rows that share it are settled together.
 type settleKey struct {
 	state    string
@@ -119,42 +103,39 @@ type settleKey struct {
 	next     time.Time
 	lastErr  string
 	hasErr   bool
+	kind     string // failure_kind of a failed row: failurePermanent or failureExhausted
 }
 
-// settleGroup applies one outcome to the rows ids, by primary key (the
-// planner answers an IN list with the primary key index whatever it thinks
-// of batch_id, given a plan made for the table's size: plan.go), and
-// returns how many it updated. Delivered rows count their attempt in SQL,
-// so that they share one statement.
+// The failure kinds of a dead-lettered row (failure_kind): the retry_failed
+// sweep revives only rows that ran out of attempts.
+const (
+	failurePermanent = "permanent"
+	failureExhausted = "exhausted"
+)
+
+// settleGroup applies one outcome to the rows ids, by primary key, and
+// returns how many it updated: those the batch still leased. Delivered
+// rows count their attempt in SQL, so that a batch accepted whole is one
+// statement.
 func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []int64, now time.Time) (int, error) {
-	attempts := "?"
-	args := []any{k.state}
+	ts := d.d.timeArg(now)
+	var (
+		res sql.Result
+		err error
+	)
 	if k.state == StateDelivered {
-		attempts = "delivery_attempts + 1"
+		res, err = d.pool().ExecContext(ctx, d.st.settleDelivered, ts, batchID, d.d.idList(ids))
 	} else {
-		args = append(args, k.attempts)
+		var lastErr, kind any // NULL keeps the last failure's reason (not attempted)
+		if k.hasErr {
+			lastErr = k.lastErr
+		}
+		if k.kind != "" {
+			kind = k.kind
+		}
+		res, err = d.pool().ExecContext(ctx, d.st.settleOther, k.state, k.attempts, d.d.timeArg(k.next),
+			lastErr, kind, ts, batchID, d.d.idList(ids))
 	}
-	args = append(args, d.d.timeArg(k.next))
-	lastErr := "last_error" // not attempted: keep the reason of the last failure
-	switch {
-	case k.state == StateDelivered:
-		lastErr = "NULL"
-	case k.hasErr:
-		lastErr = "?"
-		args = append(args, k.lastErr)
-	}
-	var deliveredAt any
-	if k.state == StateDelivered {
-		deliveredAt = d.d.timeArg(now)
-	}
-	args = append(args, deliveredAt, d.d.timeArg(now))
-	in, idArgs := d.d.idsIn(ids)
-	args = append(args, idArgs...)
-	args = append(args, batchID)
-	res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.planTag()+d.d.bind(`UPDATE `+d.t.records+` SET
-	delivery_state = ?, delivery_attempts = `+attempts+`, next_attempt_at = ?, last_error = `+lastErr+`,
-	locked_until = NULL, delivered_at = ?, updated_at = ?
-WHERE id `+in+` AND batch_id = ? AND delivery_state = 'delivering'`+d.d.asyncCommit()), args...)
 	if err != nil {
 		return 0, err
 	}

@@ -23,12 +23,12 @@ type Stats struct {
 // Undelivered is how many rows are not delivered yet, failed ones included.
 func (s Stats) Undelivered() int64 { return s.Pending + s.Delivering + s.Retry + s.Failed }
 
-// Stats reads the counts of the outbox table. It scans every row, so call
-// it for monitoring at human rates, not on a hot path.
+// Stats reads the counts of the outbox table. The counts read every row,
+// delivered history included, so call it for monitoring at human rates
+// (outboxprom caches it between scrapes), not on a hot path.
 func (d *Dispatcher) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx,
-		`SELECT delivery_state, count(*) FROM `+d.t.records+` GROUP BY delivery_state`)
+	rows, err := d.pool().QueryContext(ctx, d.st.counts)
 	if err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", err)
 	}
@@ -57,17 +57,14 @@ func (d *Dispatcher) Stats(ctx context.Context) (Stats, error) {
 	if err := rows.Err(); err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", err)
 	}
-	now := d.d.timeArg(time.Now())
 	var oldest scanTime
-	if err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.bind(`SELECT min(next_attempt_at) FROM `+d.t.records+
-		` WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?`), now).Scan(&oldest); err != nil {
+	if err := d.pool().QueryRowContext(ctx, d.st.oldestDue, d.d.timeArg(time.Now())).Scan(&oldest); err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", err)
 	}
 	s.OldestDue = oldest.Time
 	if s.Failed > 0 {
 		var last sql.NullString
-		if err := d.db.Statement.ConnPool.QueryRowContext(ctx, `SELECT last_error FROM `+d.t.records+
-			` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`).Scan(&last); err != nil {
+		if err := d.pool().QueryRowContext(ctx, d.st.lastFailure).Scan(&last); err != nil {
 			return s, fmt.Errorf("outbox: stats: %w", err)
 		}
 		s.LastFailure = last.String

@@ -2,10 +2,29 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
-	"strings"
 	"time"
 )
+
+// DefaultMaxRevivals is how many times the retry_failed sweep revives one
+// dead letter unless [WithMaxRevivals] says otherwise.
+const DefaultMaxRevivals = 3
+
+// WithMaxRevivals sets how many times [Dispatcher.RetryFailed] brings one
+// event that ran out of attempts back to pending (default
+// [DefaultMaxRevivals]; 0 turns the sweep off). Each revival gives the
+// event [WithMaxAttempts] more attempts; after the last, it stays failed
+// for a person to look at and [Dispatcher.Requeue].
+func WithMaxRevivals(n int) DispatcherOption {
+	return func(d *Dispatcher) error {
+		if n < 0 {
+			return fmt.Errorf("%w: WithMaxRevivals: %d is negative", ErrInvalidOption, n)
+		}
+		d.maxRevivals = n
+		return nil
+	}
+}
 
 // RequeueFilter selects the dead-lettered (failed) rows that
 // [Dispatcher.Requeue] moves. Each field that is set narrows the
@@ -13,10 +32,10 @@ import (
 type RequeueFilter struct {
 	// EventIDs, when not empty, limits the requeue to these events.
 	EventIDs []string
-	// EventTypes, when not empty, limits the sweep to these event types.
+	// EventTypes, when not empty, limits the requeue to these event types.
 	EventTypes []string
-	// FailedBefore, when not zero, limits the sweep to rows dead-lettered
-	// before it.
+	// FailedBefore, when not zero, limits the requeue to rows
+	// dead-lettered before it.
 	FailedBefore time.Time
 	// Limit bounds how many rows one call moves, oldest failure first
 	// (default, and when zero or negative: the dispatcher's sweep limit,
@@ -24,98 +43,91 @@ type RequeueFilter struct {
 	Limit int
 }
 
-// RetryFailed is the retry_failed sweep: it moves up to the sweep limit of
-// dead-lettered (failed) rows, oldest failure first, back to pending with
-// their attempt count reset, and returns how many it moved. Their
-// last_error is kept until they are delivered. The events parked behind
-// them are made due at once.
+// RetryFailed is the retry_failed sweep, which [DefaultSchedule] runs every
+// minute: it gives events that failed for a transient reason a few more
+// rounds. It moves back to pending, with their attempt count reset, the
+// failed rows that ran out of attempts ([WithMaxAttempts]) and were revived
+// fewer than [WithMaxRevivals] times, up to the sweep limit, oldest failure
+// first, and counts the revival on each (the revivals column). It leaves
+// alone the rows that failed for good: a [Permanent] error, an event type
+// without a handler, a row that cannot be read, and rows that failed
+// before the schema recorded why. Their last_error is kept until they are
+// delivered. The events parked behind the revived ones are made due at
+// once. It returns how many rows it moved.
 func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
-	return d.Requeue(ctx, RequeueFilter{})
+	if d.maxRevivals == 0 {
+		return 0, nil
+	}
+	now := time.Now()
+	n, err := d.revive(ctx, now, d.st.revive, d.d.timeArg(now), d.maxRevivals, d.sweepLimit)
+	if err != nil {
+		return n, fmt.Errorf("outbox: retry failed: %w", err)
+	}
+	if n > 0 {
+		d.log.Info("outbox: dead-lettered messages revived by the retry_failed sweep", "count", n)
+	}
+	return n, nil
 }
 
 // Requeue is a person's requeue: it moves the failed rows that f selects
-// back to pending, whatever made them fail and however often they were
-// revived before, with their attempt count reset, and returns how many it
-// moved. The events parked behind them are made due with them. It is what
-// outboxctl and the dashboard call.
+// back to pending, whatever made them fail and however often the sweep
+// revived them, with their attempt and revival counts reset, and returns
+// how many it moved. The events parked behind them are made due with them.
+// It is what outboxctl and the dashboard call.
 func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) {
 	limit := f.Limit
 	if limit <= 0 {
 		limit = d.sweepLimit
 	}
-	now := time.Now()
-	where := []string{"delivery_state = 'failed'"}
-	var args []any
+	var before any
+	if !f.FailedBefore.IsZero() {
+		before = d.d.timeArg(f.FailedBefore)
+	}
+	var ids, types []string
 	if len(f.EventIDs) > 0 {
-		where = append(where, "event_id IN (?"+strings.Repeat(", ?", len(f.EventIDs)-1)+")")
-		for _, id := range f.EventIDs {
-			args = append(args, id)
-		}
+		ids = f.EventIDs
 	}
 	if len(f.EventTypes) > 0 {
-		where = append(where, "event_type IN (?"+strings.Repeat(", ?", len(f.EventTypes)-1)+")")
-		for _, t := range f.EventTypes {
-			args = append(args, t)
-		}
+		types = f.EventTypes
 	}
-	if !f.FailedBefore.IsZero() {
-		where = append(where, "updated_at < ?")
-		args = append(args, d.d.timeArg(f.FailedBefore))
-	}
-	ts := d.d.timeArg(now)
-	args = append([]any{ts, ts}, append(args, limit)...)
-	res, err := d.db.Statement.ConnPool.QueryContext(ctx, d.planTag()+d.d.bind(`UPDATE `+d.t.records+` SET
-	delivery_state = 'pending', delivery_attempts = 0, next_attempt_at = ?, updated_at = ?,
-	locked_until = NULL, batch_id = NULL
-WHERE id IN (
-	SELECT id FROM `+d.t.records+` WHERE `+strings.Join(where, " AND ")+`
-	ORDER BY updated_at, id LIMIT ?`+d.d.skipLocked()+`
-)
-RETURNING aggregate_type, aggregate_id`), args...)
+	now := time.Now()
+	n, err := d.revive(ctx, now, d.st.requeue, d.d.timeArg(now), limit, before, d.d.textList(ids), d.d.textList(types))
 	if err != nil {
-		return 0, fmt.Errorf("outbox: retry failed: %w", err)
-	}
-	n := 0
-	revived := map[[2]string]bool{}
-	for res.Next() {
-		var agg [2]string
-		if err := res.Scan(&agg[0], &agg[1]); err != nil {
-			res.Close()
-			return n, fmt.Errorf("outbox: retry failed: %w", err)
-		}
-		revived[agg] = true
-		n++
-	}
-	res.Close()
-	if err := res.Err(); err != nil {
-		return n, fmt.Errorf("outbox: retry failed: %w", err)
+		return n, fmt.Errorf("outbox: requeue: %w", err)
 	}
 	if n > 0 {
-		d.log.Info("outbox: dead-lettered messages back to pending", "count", n)
-		d.unpark(ctx, revived, now)
+		d.log.Info("outbox: dead-lettered messages requeued", "count", n)
 	}
 	return n, nil
 }
 
-// unpark makes the waiting events of the revived aggregates due now: they
-// were parked behind the dead letter (see parkBlocked) and would otherwise
-// wait up to a lease. Those in retry are among them: events that the
-// dead letter's batch did not attempt, after an earlier attempt of their
-// own. It is an optimisation, so an error is only logged.
-func (d *Dispatcher) unpark(ctx context.Context, aggregates map[[2]string]bool, now time.Time) {
-	ts := d.d.timeArg(now)
-	args := []any{ts, ts, ts}
-	rows := make([]string, 0, len(aggregates))
-	for agg := range aggregates {
-		rows = append(rows, "(?, ?)")
-		args = append(args, agg[0], agg[1])
-	}
-	_, err := d.db.Statement.ConnPool.ExecContext(ctx, d.planTag()+d.d.bind(`UPDATE `+d.t.records+` SET next_attempt_at = ?, updated_at = ?
-WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > ?
-	AND (aggregate_type, aggregate_id) IN (VALUES `+strings.Join(rows, ", ")+`)`), args...)
+// revive runs a statement that moves failed rows back to pending and
+// returns their aggregates, and makes the rows parked behind them due.
+func (d *Dispatcher) revive(ctx context.Context, now time.Time, query string, args ...any) (int, error) {
+	res, err := d.pool().QueryContext(ctx, query, args...)
 	if err != nil {
-		d.log.Warn("outbox: could not release the events parked behind revived dead letters; they follow within a lease", "error", err)
+		return 0, err
 	}
+	n := 0
+	revived := map[aggregateKey]bool{}
+	for res.Next() {
+		var k aggregateKey
+		if err := res.Scan(&k.typ, &k.id); err != nil {
+			res.Close()
+			return n, err
+		}
+		revived[k] = true
+		n++
+	}
+	res.Close()
+	if err := res.Err(); err != nil {
+		return n, err
+	}
+	if n > 0 {
+		d.unpark(ctx, revived, now)
+		d.Notify()
+	}
+	return n, nil
 }
 
 // Cleanup deletes delivered rows whose delivered_at is older than the
@@ -128,10 +140,8 @@ func (d *Dispatcher) Cleanup(ctx context.Context) (int, error) {
 	cutoff := d.d.timeArg(time.Now().Add(-d.retention))
 	total := 0
 	for {
-		res, err := d.db.Statement.ConnPool.ExecContext(ctx, d.planTag()+d.d.bind(`DELETE FROM `+d.t.records+` WHERE id IN (
-	SELECT id FROM `+d.t.records+` WHERE delivery_state = 'delivered' AND delivered_at < ?
-	ORDER BY delivered_at LIMIT ?`+d.d.skipLocked()+`
-)`), cutoff, d.sweepLimit)
+		var res sql.Result
+		res, err := d.pool().ExecContext(ctx, d.st.cleanup, cutoff, d.sweepLimit)
 		if err != nil {
 			return total, fmt.Errorf("outbox: cleanup: %w", err)
 		}

@@ -476,13 +476,13 @@ func drainOutbox(ctx context.Context, open func() (*gorm.DB, error), dispatchers
 			return drainResult{}, err
 		}
 		defer closeGorm(db)
-		if ds[i], err = outbox.NewDispatcher(db, counter, outbox.WithBatchSize(batch), outbox.WithSlots(true), outbox.WithLogger(quietLogger)); err != nil {
+		if ds[i], err = outbox.NewDispatcher(db, counter, outbox.WithBatchSize(batch), outbox.WithLogger(quietLogger)); err != nil {
 			return drainResult{}, err
 		}
 	}
-	// Run, as a service runs its dispatchers, with slots: side by side
-	// they share the backlog's slots (on PostgreSQL). Each Run returns once the batch it has in flight
-	// is settled, so the clock stops when the last event is delivered.
+	// Run, as a service runs its dispatchers, side by side on one table.
+	// Each Run returns once the batch it has in flight is settled, so the
+	// clock stops when the last event is delivered.
 	start := time.Now()
 	var wg sync.WaitGroup
 	for _, d := range ds {

@@ -1,0 +1,261 @@
+package inbox_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"reflect"
+	"strings"
+	"testing"
+
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/inbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/outboxhttp"
+)
+
+// orderBatch is a batch of two aggregates: order 1 with two events, then
+// order 2 with one.
+func orderBatch(id string) outbox.Batch {
+	msg := func(evt, agg string, seq int64) outbox.Message {
+		return outbox.Message{
+			EventID: evt, EventType: "order.updated", AggregateType: "order", AggregateID: agg,
+			Sequence: seq, IdempotencyKey: evt, Payload: json.RawMessage(`{}`), Attempt: 1,
+		}
+	}
+	return outbox.Batch{ID: id, Messages: []outbox.Message{
+		msg("evt-1a", "1", 1), msg("evt-1b", "1", 2), msg("evt-2a", "2", 1),
+	}}
+}
+
+// shipMessage is the consumer's ApplyFunc; it fails with failWith for the
+// event ids that fail names, when fail is not nil.
+func shipMessage(fail map[string]error) inbox.ApplyFunc {
+	return func(tx *gorm.DB, m outbox.Message) error {
+		if err := fail[m.EventID]; err != nil {
+			return err
+		}
+		return tx.Create(&Shipment{MessageID: m.EventID, Sequence: m.Sequence}).Error
+	}
+}
+
+func newReceiver(t *testing.T, in *inbox.Inbox, apply inbox.ApplyFunc, opts ...inbox.ReceiverOption) *inbox.Receiver {
+	t.Helper()
+	opts = append([]inbox.ReceiverOption{inbox.WithLogger(outboxtest.Logger(t))}, opts...)
+	r, err := inbox.NewReceiver(in, apply, opts...)
+	if err != nil {
+		t.Fatalf("NewReceiver: %v", err)
+	}
+	return r
+}
+
+// post sends b to h as an outboxhttp publisher would, unsigned, and
+// returns the status and the decoded response.
+func post(t *testing.T, h http.Handler, b outbox.Batch) (int, inbox.Response) {
+	t.Helper()
+	body, err := json.Marshal(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := httptest.NewRequest(http.MethodPost, "/events", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(outboxhttp.HeaderIdempotencyKey, b.ID)
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	var resp inbox.Response
+	if ct := rec.Header().Get("Content-Type"); ct == "application/json" {
+		if err := json.Unmarshal(rec.Body.Bytes(), &resp); err != nil {
+			t.Fatalf("response is not JSON: %v\n%s", err, rec.Body)
+		}
+	}
+	return rec.Code, resp
+}
+
+// outcomes lists a response's outcomes by event id, in order.
+func outcomes(r inbox.Response) []string {
+	var out []string
+	for _, res := range r.Results {
+		out = append(out, res.EventID+"="+string(res.Outcome))
+	}
+	return out
+}
+
+func TestReceiverAnswersOKWhenEveryMessageIsHandledOrDuplicate(t *testing.T) {
+	t.Parallel()
+	db, in, _ := newConsumer(t, sqliteEngine)
+	r := newReceiver(t, in, shipMessage(nil))
+
+	status, resp := post(t, r, orderBatch("b-1"))
+	if want := []string{"evt-1a=handled", "evt-1b=handled", "evt-2a=handled"}; status != http.StatusOK || !reflect.DeepEqual(outcomes(resp), want) || resp.BatchID != "b-1" {
+		t.Errorf("first delivery: %d %s %v; want 200 b-1 %v", status, resp.BatchID, outcomes(resp), want)
+	}
+	status, resp = post(t, r, orderBatch("b-2"))
+	if want := []string{"evt-1a=duplicate", "evt-1b=duplicate", "evt-2a=duplicate"}; status != http.StatusOK || !reflect.DeepEqual(outcomes(resp), want) {
+		t.Errorf("redelivery: %d %v; want 200 %v", status, outcomes(resp), want)
+	}
+	if got, want := shipments(t, db), map[string]int{"evt-1a": 1, "evt-1b": 1, "evt-2a": 1}; !reflect.DeepEqual(got, want) {
+		t.Errorf("shipments %v, want %v", got, want)
+	}
+}
+
+func TestReceiverAsksForARetryWhenAMessageFails(t *testing.T) {
+	t.Parallel()
+	db, in, _ := newConsumer(t, sqliteEngine)
+	failing := newReceiver(t, in, shipMessage(map[string]error{"evt-1a": errors.New("stock service down")}))
+
+	status, resp := post(t, failing, orderBatch("b-1"))
+	// evt-1b waits behind evt-1a, its aggregate's predecessor; order 2 goes on.
+	if want := []string{"evt-1a=failed", "evt-1b=not_attempted", "evt-2a=handled"}; status != http.StatusServiceUnavailable || !reflect.DeepEqual(outcomes(resp), want) {
+		t.Errorf("failing delivery: %d %v; want 503 %v", status, outcomes(resp), want)
+	}
+	status, resp = post(t, newReceiver(t, in, shipMessage(nil)), orderBatch("b-2"))
+	if want := []string{"evt-1a=handled", "evt-1b=handled", "evt-2a=duplicate"}; status != http.StatusOK || !reflect.DeepEqual(outcomes(resp), want) {
+		t.Errorf("retry: %d %v; want 200 %v", status, outcomes(resp), want)
+	}
+	var order []string
+	if err := db.Model(&Shipment{}).Order("id").Pluck("message_id", &order).Error; err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"evt-2a", "evt-1a", "evt-1b"}; !reflect.DeepEqual(order, want) {
+		t.Errorf("applied in order %v, want %v", order, want)
+	}
+}
+
+func TestReceiverStatusSettlesTheBatchThroughThePublisher(t *testing.T) {
+	t.Parallel()
+	permanent := outbox.Permanent(errors.New("unknown product"))
+	tests := []struct {
+		name          string
+		fail          map[string]error
+		wantErr       bool
+		wantPermanent bool
+	}{
+		{"all handled", nil, false, false},
+		{"one fails transiently", map[string]error{"evt-2a": errors.New("timeout")}, true, false},
+		{"one fails permanently, others handled", map[string]error{"evt-2a": permanent}, true, false},
+		{"every aggregate fails permanently", map[string]error{"evt-1a": permanent, "evt-2a": permanent}, true, true},
+		{"permanent and transient failures", map[string]error{"evt-1a": permanent, "evt-2a": errors.New("timeout")}, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, in, _ := newConsumer(t, sqliteEngine)
+			srv := httptest.NewServer(newReceiver(t, in, shipMessage(tt.fail)))
+			t.Cleanup(srv.Close)
+			pub, err := outboxhttp.New(srv.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = pub.Publish(context.Background(), orderBatch("b-1"))
+			if (err != nil) != tt.wantErr || outbox.IsPermanent(err) != tt.wantPermanent {
+				t.Errorf("Publish = %v (permanent: %v); want error %v, permanent %v", err, outbox.IsPermanent(err), tt.wantErr, tt.wantPermanent)
+			}
+		})
+	}
+}
+
+func TestReceiverRefusesRequestsThatFailTheChecks(t *testing.T) {
+	t.Parallel()
+	secret := []byte("shared-secret")
+	_, in, _ := newConsumer(t, sqliteEngine)
+	r := newReceiver(t, in, shipMessage(nil), inbox.WithSecret(secret), inbox.WithMaxBytes(4096))
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+
+	big := orderBatch("b-big")
+	big.Messages[0].Payload = json.RawMessage(`"` + strings.Repeat("x", 5000) + `"`)
+	tests := []struct {
+		name   string
+		secret []byte
+		batch  outbox.Batch
+		status int
+	}{
+		{"signed", secret, orderBatch("b-ok"), http.StatusOK},
+		{"unsigned", nil, orderBatch("b-unsigned"), http.StatusUnauthorized},
+		{"signed with another secret", []byte("other"), orderBatch("b-other"), http.StatusUnauthorized},
+		{"too large", secret, big, http.StatusRequestEntityTooLarge},
+	}
+	for _, tt := range tests {
+		var opts []outboxhttp.Option
+		if tt.secret != nil {
+			opts = append(opts, outboxhttp.WithSecret(tt.secret))
+		}
+		pub, err := outboxhttp.New(srv.URL, opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = pub.Publish(context.Background(), tt.batch)
+		var se *outboxhttp.StatusError
+		switch {
+		case tt.status == http.StatusOK && err != nil:
+			t.Errorf("%s: Publish = %v, want nil", tt.name, err)
+		case tt.status != http.StatusOK && (!errors.As(err, &se) || se.StatusCode != tt.status):
+			t.Errorf("%s: Publish = %v, want status %d", tt.name, err, tt.status)
+		}
+	}
+
+	req := httptest.NewRequest(http.MethodPost, "/", strings.NewReader(`{"batch_id":"b"}`))
+	req.Header.Set("Content-Type", "text/plain")
+	rec := httptest.NewRecorder()
+	newReceiver(t, in, shipMessage(nil)).ServeHTTP(rec, req)
+	if rec.Code != http.StatusBadRequest {
+		t.Errorf("malformed request answered %d, want 400", rec.Code)
+	}
+}
+
+func TestNewReceiverValidatesOptions(t *testing.T) {
+	t.Parallel()
+	_, in, _ := newConsumer(t, sqliteEngine)
+	apply := shipMessage(nil)
+	tests := []struct {
+		name  string
+		in    *inbox.Inbox
+		apply inbox.ApplyFunc
+		opt   inbox.ReceiverOption
+		word  string
+	}{
+		{"nil inbox", nil, apply, nil, "Inbox"},
+		{"nil apply", in, nil, nil, "ApplyFunc"},
+		{"empty secret", in, apply, inbox.WithSecret(nil), "WithSecret"},
+		{"zero max bytes", in, apply, inbox.WithMaxBytes(0), "WithMaxBytes"},
+		{"nil logger", in, apply, inbox.WithLogger(nil), "WithLogger"},
+	}
+	for _, tt := range tests {
+		var opts []inbox.ReceiverOption
+		if tt.opt != nil {
+			opts = append(opts, tt.opt)
+		}
+		r, err := inbox.NewReceiver(tt.in, tt.apply, opts...)
+		if !errors.Is(err, outbox.ErrInvalidOption) || r != nil || !strings.Contains(err.Error(), tt.word) {
+			t.Errorf("%s: NewReceiver = %v, %v; want ErrInvalidOption naming %s", tt.name, r, err, tt.word)
+		}
+	}
+}
+
+func TestHandleBatchStopsWhenTheContextEnds(t *testing.T) {
+	t.Parallel()
+	db, in, _ := newConsumer(t, sqliteEngine)
+	ctx, cancel := context.WithCancel(context.Background())
+	results := in.HandleBatch(ctx, orderBatch("b-1"), func(tx *gorm.DB, m outbox.Message) error {
+		cancel() // the request's client went away while the first message was applied
+		return shipMessage(nil)(tx, m)
+	})
+	// The first message's commit races the cancel; whatever became of it,
+	// nothing after it is attempted.
+	for _, res := range results[1:] {
+		if res.Outcome != inbox.NotAttempted || !errors.Is(res.Err, outbox.ErrNotAttempted) {
+			t.Errorf("%s: %s (%v), want not attempted", res.EventID, res.Outcome, res.Err)
+		}
+	}
+	if err := results[2].Err; !errors.Is(err, context.Canceled) {
+		t.Errorf("evt-2a, of another aggregate: %v, want the ended context", err)
+	}
+	if n := len(shipments(t, db)); n > 1 {
+		t.Errorf("%d messages applied after the context ended, want at most the first", n)
+	}
+}

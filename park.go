@@ -1,0 +1,113 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// parkBlocked moves the due rows behind an aggregate's head (its first
+// undelivered event) that waits for a retry or was dead-lettered to when
+// that head can move: the retry's time, or one lease from now for a dead
+// letter (it comes back through RetryFailed or Requeue, which make the
+// rows behind it due again; the lease bounds the wait if it comes back
+// some other way). Rows behind a head in flight are left alone: it
+// settles within the publish timeout. Rows that came due before their
+// head in due order (written while it waited) are moved to the head's
+// time, behind it: a window full of them would hold no row a claim can
+// take. After a settle that came after its lease (see claim.go), an
+// aggregate's first undelivered event may sit before delivered ones;
+// parking takes it for the head all the same, so the events after the
+// delivered ones may wait as long as it does (a lease at most behind a
+// dead letter) when parking reaches them before a claim does.
+//
+// It looks at the scanWindow oldest due rows, runs at most once per poll
+// interval per dispatcher, and only after a claim that was not full and
+// held rows back (a claim that took every due row it saw leaves none
+// behind a blocker). It is an optimisation, so it never fails a dispatch:
+// an error is logged. It reports whether it moved any row.
+func (d *Dispatcher) parkBlocked(ctx context.Context) (parked bool) {
+	now := time.Now()
+	last := d.lastPark.Load()
+	if last != 0 && now.Sub(time.Unix(0, last)) < d.pollInterval {
+		return false
+	}
+	if !d.lastPark.CompareAndSwap(last, now.UnixNano()) {
+		return false
+	}
+	blockers, err := d.blockers(ctx, now)
+	moved := int64(0)
+	if err == nil {
+		moved, err = d.park(ctx, blockers, now)
+	}
+	if err != nil {
+		d.log.Warn("outbox: could not park the rows behind events that wait; claims step over them meanwhile", "error", err)
+	}
+	return moved > 0
+}
+
+// blocker is the head of an aggregate that holds back due events of its
+// aggregate, and until when those should wait.
+type blocker struct {
+	aggregateType, aggregateID string
+	sequence                   int64
+	state                      string
+	until                      scanTime
+}
+
+// blockers finds the heads that hold back due rows of the aggregates
+// seen among the oldest due rows: a head that waits for a retry (until its
+// time) or for a requeue (for one lease), or a due head that the oldest
+// rows do not reach because rows of its aggregate come before it in due
+// order (until its time, which puts them behind it).
+func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
+	res, err := d.pool().QueryContext(ctx, d.st.blockers, d.d.timeArg(now), scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)))
+	if err != nil {
+		return nil, fmt.Errorf("find blockers: %w", err)
+	}
+	defer res.Close()
+	var out []blocker
+	for res.Next() {
+		var b blocker
+		if err := res.Scan(&b.aggregateType, &b.aggregateID, &b.sequence, &b.state, &b.until); err != nil {
+			return nil, fmt.Errorf("find blockers: %w", err)
+		}
+		out = append(out, b)
+	}
+	return out, res.Err()
+}
+
+// park moves the due rows behind each blocker to its time, one statement
+// per blocker through the aggregate index, provided the blocker is still
+// in the state it was read in (a requeue may have brought a dead letter
+// back meanwhile, or a claim taken the head). It returns how many rows it
+// moved.
+func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) (moved int64, err error) {
+	ts := d.d.timeArg(now)
+	for _, b := range blockers {
+		r, err := d.pool().ExecContext(ctx, d.st.park, d.d.timeArg(b.until.Time), ts,
+			b.aggregateType, b.aggregateID, b.sequence, b.state)
+		if err != nil {
+			return moved, fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
+		}
+		if n, err := r.RowsAffected(); err == nil {
+			moved += n
+		}
+	}
+	return moved, nil
+}
+
+// unpark makes the waiting events of the revived aggregates due now: they
+// were parked behind the dead letter and would otherwise wait up to a
+// lease. Those in retry are among them: events that the dead letter's
+// batch did not attempt, after an earlier attempt of their own. It is an
+// optimisation, so an error is only logged.
+func (d *Dispatcher) unpark(ctx context.Context, aggregates map[aggregateKey]bool, now time.Time) {
+	list := make([]aggregateSeq, 0, len(aggregates))
+	for k := range aggregates {
+		list = append(list, aggregateSeq{agg: k})
+	}
+	if _, err := d.pool().ExecContext(ctx, d.st.unpark, append([]any{d.d.timeArg(now)}, d.d.eventList(list)...)...); err != nil {
+		d.log.Warn("outbox: could not release the events parked behind revived dead letters; they follow within a lease", "error", err)
+	}
+}
