@@ -164,8 +164,10 @@ func dialectOf(db *gorm.DB) (dialect, error) {
 		return postgresDialect{}, nil
 	case "sqlite":
 		return sqliteDialect{}, nil
+	case "mysql":
+		return mysqlDialect{}, nil
 	default:
-		return nil, fmt.Errorf("outbox: unsupported database %q (PostgreSQL and SQLite are supported)", name)
+		return nil, fmt.Errorf("outbox: unsupported database %q (PostgreSQL, MySQL and SQLite are supported)", name)
 	}
 }
 

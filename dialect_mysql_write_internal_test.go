@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -24,27 +23,10 @@ func mysqlWriteDB(t *testing.T) (*sql.DB, tables) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tb := mysqlTestTables(DefaultTable)
-	for _, file := range []string{"0001_init.sql", "0002_dead_letters.sql"} {
-		text, err := os.ReadFile("migrations/mysql/" + file)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, stmt := range strings.SplitAfter(string(text), ";\n") {
-			if strings.TrimSpace(stmt) == "" {
-				continue
-			}
-			if _, err := sqlDB.Exec(stmt); err != nil {
-				t.Fatalf("%s: %v", file, err)
-			}
-		}
+	if err := AutoMigrate(db); err != nil {
+		t.Fatal(err)
 	}
-	return sqlDB, tb
-}
-
-func mysqlTestTables(name string) tables {
-	q := func(s string) string { return "`" + s + "`" }
-	return tables{name: name, records: q(name), sequences: q(name + "_sequences"), index: func(s string) string { return q(name + "_" + s) }}
+	return sqlDB, mysqlDialect{}.tables(DefaultTable)
 }
 
 // writeEvent inserts e in a transaction of its own, which commits when the

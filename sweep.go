@@ -104,24 +104,30 @@ func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) 
 // revive runs a statement that moves failed rows back to pending and
 // returns their aggregates, and makes the rows parked behind them due.
 func (d *Dispatcher) revive(ctx context.Context, now time.Time, query string, args ...any) (int, error) {
-	res, err := d.pool().QueryContext(ctx, query, args...)
+	var (
+		n       int
+		revived map[aggregateKey]bool
+	)
+	// In the claim's transaction: on MySQL the statement is a list.
+	err := d.d.claimTx(ctx, d.db, func(q querier) error {
+		n, revived = 0, map[aggregateKey]bool{}
+		res, err := q.QueryContext(ctx, query, args...)
+		if err != nil {
+			return err
+		}
+		defer res.Close()
+		for res.Next() {
+			var k aggregateKey
+			if err := res.Scan(&k.typ, &k.id); err != nil {
+				return err
+			}
+			revived[k] = true
+			n++
+		}
+		return res.Err()
+	})
 	if err != nil {
 		return 0, err
-	}
-	n := 0
-	revived := map[aggregateKey]bool{}
-	for res.Next() {
-		var k aggregateKey
-		if err := res.Scan(&k.typ, &k.id); err != nil {
-			res.Close()
-			return n, err
-		}
-		revived[k] = true
-		n++
-	}
-	res.Close()
-	if err := res.Err(); err != nil {
-		return n, err
 	}
 	if n > 0 {
 		d.unpark(ctx, revived, now)

@@ -1,0 +1,361 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"gorm.io/gorm"
+)
+
+// The MySQL dialect: MySQL 8.0+ and MariaDB 10.6+ (they brought SKIP
+// LOCKED and JSON_TABLE), through gorm.io/driver/mysql, tested on MariaDB
+// 10.11. The write is in dialect_mysql_write.go, the transactions in
+// dialect_mysql_tx.go. The schema (migrations/mysql) says why keys are
+// VARBINARY and which generated columns stand in for partial indexes.
+//
+// Claimable rows are those with due_at <= now: the generated column folds
+// the state, next_attempt_at and locked_until into one time, so that the
+// claim reads its index (due_at, id) in order and stops after the batch,
+// locking only the rows it keeps. Undelivered rows of an aggregate are
+// found through (aggregate_type, undelivered_id, aggregate_sequence).
+//
+// Placeholders. MySQL's are bare ? marks, taken in the order of the text,
+// each once. The statements of a claim's transaction (claimTx) are bound
+// by mysqlTx, which also takes numbered ones (?1, ?2, ...) as SQLite does,
+// so that an argument serves twice or out of order. The others run on the
+// pool as they are: they read their arguments first, in the order given,
+// into a derived table of one row, p, with their types, and refer to its
+// columns; only LIMIT takes a ? of its own, the last argument.
+//
+// Lists are JSON text, read with JSON_TABLE. A multi-table UPDATE joined
+// to JSON_TABLE finds its rows by primary key; MariaDB runs a
+// single-table UPDATE ... WHERE id IN (subquery) as a scan of the table.
+//
+// There is no UPDATE ... RETURNING: the statements that return the rows
+// they change (lease, revive, requeue) are statement lists, run one after
+// the other in the claim's transaction (mysqlTx), the last one returning
+// the rows. Revive and requeue lock their rows and keep their ids in the
+// session variable @outbox_ids from one statement to the next.
+
+func (mysqlDialect) name() string { return "mysql" }
+
+func (mysqlDialect) tables(name string) tables {
+	return tables{name: name, records: mysqlQuote(name), sequences: mysqlQuote(name + "_sequences"), quote: mysqlQuote}
+}
+
+func mysqlQuote(ident string) string { return "`" + strings.ReplaceAll(ident, "`", "``") + "`" }
+
+func (mysqlDialect) bind(query string) string { return query }
+
+// readTime: a DATETIME column holds nothing but times.
+func (mysqlDialect) readTime(column string) string { return column }
+
+func (mysqlDialect) idList(ids []int64) any { return mysqlJSON(ids) }
+
+func (mysqlDialect) textList(s []string) any {
+	if s == nil {
+		return nil
+	}
+	return mysqlJSON(s)
+}
+
+func (mysqlDialect) eventList(events []aggregateSeq) []any {
+	list := make([][3]any, len(events))
+	for i, e := range events {
+		list[i] = [3]any{e.agg.typ, e.agg.id, e.seq}
+	}
+	return []any{mysqlJSON(list)}
+}
+
+func mysqlJSON(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("outbox: encode a list: %v", err)) // lists of ids and strings always encode
+	}
+	return string(b)
+}
+
+// The columns JSON_TABLE reads a list into, and a time argument of p.
+const (
+	mysqlIDs    = `'$[*]' COLUMNS (id BIGINT PATH '$')`
+	mysqlTexts  = `'$[*]' COLUMNS (v VARBINARY(1024) PATH '$')`
+	mysqlEvents = `'$[*]' COLUMNS (i FOR ORDINALITY, typ VARBINARY(255) PATH '$[0]', agg VARBINARY(1024) PATH '$[1]', seq BIGINT PATH '$[2]')`
+	mysqlTime   = `CAST(? AS DATETIME(6))`
+)
+
+// mysqlThen separates the statements of a statement list (mysqlTx).
+const mysqlThen = "\n;\n"
+
+func (mysqlDialect) statements(t tables) statements {
+	r := t.records
+	v := t.quote(t.name + "_migrations")
+	return statements{
+		createVersions: `CREATE TABLE IF NOT EXISTS ` + v + ` (
+	version    INT PRIMARY KEY,
+	name       VARCHAR(200) NOT NULL,
+	applied_at DATETIME(6)  NOT NULL
+) ENGINE = InnoDB`,
+		versions:      `SELECT version FROM ` + v,
+		recordVersion: `INSERT INTO ` + v + ` (version, name, applied_at) VALUES (?, ?, ?)`,
+
+		// The claim's transaction: numbered placeholders (mysqlTx).
+		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+WHERE due_at <= ?1
+ORDER BY due_at, id
+LIMIT ?2
+FOR UPDATE SKIP LOCKED`,
+
+		undelivered: `SELECT EXISTS (
+	SELECT 1 FROM ` + r + ` x
+	WHERE x.aggregate_type = u.typ AND x.undelivered_id = u.agg AND x.aggregate_sequence = u.seq)
+FROM JSON_TABLE(?1, ` + mysqlEvents + `) u
+ORDER BY u.i`,
+
+		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
+	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.due_at FROM ` + r + ` c
+	WHERE c.due_at <= ?1
+	ORDER BY c.due_at, c.id
+	LIMIT ?2
+) w
+WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
+	SELECT 1 FROM ` + r + ` x
+	WHERE x.aggregate_type = w.aggregate_type AND x.undelivered_id = w.aggregate_id
+		AND x.aggregate_sequence = w.aggregate_sequence - 1)
+ORDER BY w.due_at, w.id
+LIMIT ?3`,
+
+		// MariaDB has no LATERAL: each head's run is the range join
+		// [seq, seq + span) through the aggregate index.
+		runs: `SELECT u.i, x.id, x.aggregate_sequence, coalesce(x.due_at <= ?1, FALSE)
+FROM JSON_TABLE(?3, ` + mysqlEvents + `) u
+JOIN ` + r + ` x ON x.aggregate_type = u.typ AND x.undelivered_id = u.agg
+	AND x.aggregate_sequence >= u.seq AND x.aggregate_sequence < u.seq + ?2`,
+
+		lock: `SELECT x.id FROM JSON_TABLE(?2, ` + mysqlIDs + `) j
+JOIN ` + r + ` x ON x.id = j.id
+WHERE x.due_at <= ?1
+FOR UPDATE SKIP LOCKED`,
+
+		lease: `UPDATE ` + r + ` x JOIN JSON_TABLE(?4, ` + mysqlIDs + `) j ON x.id = j.id
+SET x.delivery_state = 'delivering', x.batch_id = ?1, x.locked_until = ?2, x.next_attempt_at = ?2, x.updated_at = ?3` + mysqlThen +
+			`SELECT x.id, x.event_id, x.event_type, x.aggregate_type, x.aggregate_id, x.aggregate_sequence,
+	x.idempotency_key, x.payload, x.headers, x.occurred_at, x.delivery_attempts
+FROM JSON_TABLE(?4, ` + mysqlIDs + `) j
+JOIN ` + r + ` x ON x.id = j.id AND x.batch_id = ?1`,
+
+		revive: `SELECT JSON_ARRAYAGG(s.id) INTO @outbox_ids FROM (
+	SELECT id FROM ` + r + `
+	WHERE failed_at IS NOT NULL AND failure_kind = 'exhausted' AND revivals < ?2
+	ORDER BY failed_at, id
+	LIMIT ?3
+	FOR UPDATE SKIP LOCKED
+) s` + mysqlThen + mysqlMoveBack(r, "x.revivals + 1") + mysqlThen + mysqlMoved(r),
+
+		requeue: `SELECT JSON_ARRAYAGG(s.id) INTO @outbox_ids FROM (
+	SELECT id FROM ` + r + `
+	WHERE failed_at IS NOT NULL
+		AND (?3 IS NULL OR updated_at < ?3)
+		AND (?4 IS NULL OR event_id IN (SELECT e.v FROM JSON_TABLE(?4, ` + mysqlTexts + `) e))
+		AND (?5 IS NULL OR event_type IN (SELECT e.v FROM JSON_TABLE(?5, ` + mysqlTexts + `) e))
+	ORDER BY failed_at, id
+	LIMIT ?2
+	FOR UPDATE SKIP LOCKED
+) s` + mysqlThen + mysqlMoveBack(r, "0") + mysqlThen + mysqlMoved(r),
+
+		// On the pool: the arguments in p, in order.
+		settleDelivered: `UPDATE ` + r + ` x
+JOIN (SELECT ` + mysqlTime + ` AS at, ? AS batch, ? AS ids) p
+JOIN JSON_TABLE(p.ids, ` + mysqlIDs + `) j ON x.id = j.id
+SET x.delivery_state = 'delivered', x.delivery_attempts = x.delivery_attempts + 1, x.next_attempt_at = p.at,
+	x.last_error = NULL, x.failure_kind = NULL, x.locked_until = NULL, x.delivered_at = p.at, x.updated_at = p.at
+WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
+
+		settleOther: `UPDATE ` + r + ` x
+JOIN (SELECT CAST(? AS CHAR(16)) AS state, CAST(? AS SIGNED) AS attempts, ` + mysqlTime + ` AS next_at,
+	CAST(? AS CHAR) AS last_error, CAST(? AS CHAR(16)) AS kind, ` + mysqlTime + ` AS at, ? AS batch, ? AS ids) p
+JOIN JSON_TABLE(p.ids, ` + mysqlIDs + `) j ON x.id = j.id
+SET x.delivery_state = p.state, x.delivery_attempts = p.attempts, x.next_attempt_at = p.next_at,
+	x.last_error = coalesce(p.last_error, x.last_error), x.failure_kind = p.kind, x.locked_until = NULL,
+	x.updated_at = p.at
+WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
+
+		// Each lookup runs once per aggregate through the aggregate index:
+		// min over the aggregate's undelivered rows, then the head itself.
+		blockers: `SELECT g.bt, g.ba, g.hs, g.state, CASE WHEN g.state = 'failed' THEN q.lease_end ELSE g.next_at END
+FROM (
+	SELECT m.bt, m.ba, m.hs, h.next_attempt_at AS next_at, CASE
+			WHEN h.delivery_state = 'failed' THEN 'failed'
+			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > m.at OR m.hs < m.ws) THEN h.delivery_state
+		END AS state
+	FROM (
+		SELECT s.bt, s.ba, s.ws, s.at, (SELECT min(x.aggregate_sequence) FROM ` + r + ` x
+			WHERE x.aggregate_type = s.bt AND x.undelivered_id = s.ba) AS hs
+		FROM (
+			SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws, min(c.at) AS at
+			FROM (
+				SELECT y.aggregate_type, y.aggregate_id, y.aggregate_sequence, p.at
+				FROM (SELECT ` + mysqlTime + ` AS at) p
+				JOIN ` + r + ` y ON y.due_at <= p.at
+				ORDER BY y.due_at, y.id
+				LIMIT ?
+			) c
+			GROUP BY c.aggregate_type, c.aggregate_id
+			HAVING max(c.aggregate_sequence) > 1
+		) s
+	) m
+	JOIN ` + r + ` h ON h.aggregate_type = m.bt AND h.undelivered_id = m.ba AND h.aggregate_sequence = m.hs
+) g
+JOIN (SELECT ` + mysqlTime + ` AS lease_end) q
+WHERE g.state IS NOT NULL`,
+
+		park: `UPDATE ` + r + ` x
+JOIN (SELECT ` + mysqlTime + ` AS until_at, ` + mysqlTime + ` AS at, CAST(? AS BINARY) AS typ, CAST(? AS BINARY) AS agg,
+	CAST(? AS SIGNED) AS seq, CAST(? AS CHAR(16)) AS state) p
+	ON x.aggregate_type = p.typ AND x.undelivered_id = p.agg AND x.aggregate_sequence > p.seq
+JOIN ` + r + ` h ON h.aggregate_type = p.typ AND h.undelivered_id = p.agg AND h.aggregate_sequence = p.seq
+	AND h.delivery_state = p.state
+SET x.next_attempt_at = p.until_at, x.updated_at = p.at
+WHERE x.delivery_state IN ('pending', 'retry') AND x.next_attempt_at < p.until_at`,
+
+		unpark: `UPDATE ` + r + ` x
+JOIN (SELECT ` + mysqlTime + ` AS at, ? AS events) p
+JOIN JSON_TABLE(p.events, ` + mysqlEvents + `) u ON x.aggregate_type = u.typ AND x.undelivered_id = u.agg
+SET x.next_attempt_at = p.at, x.updated_at = p.at
+WHERE x.delivery_state IN ('pending', 'retry') AND x.next_attempt_at > p.at`,
+
+		// A single-table DELETE takes ORDER BY and LIMIT.
+		cleanup: `DELETE FROM ` + r + ` WHERE delivered_at < ` + mysqlTime + ` AND delivery_state = 'delivered'
+ORDER BY delivered_at
+LIMIT ?`,
+
+		counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
+		oldestDue: `SELECT min(x.next_attempt_at) FROM (SELECT ` + mysqlTime + ` AS at) p
+JOIN ` + r + ` x ON x.due_at <= p.at`,
+		lastFailure: `SELECT last_error FROM ` + r + ` WHERE failed_at IS NOT NULL ORDER BY failed_at DESC, id DESC LIMIT 1`,
+	}
+}
+
+// mysqlMoveBack is the statement of revive and requeue that moves the
+// rows @outbox_ids names back to pending, with revivals set to revivals;
+// a row that is no longer failed (a requeue of it ran meanwhile) stays.
+func mysqlMoveBack(r, revivals string) string {
+	return `UPDATE ` + r + ` x JOIN JSON_TABLE(@outbox_ids, ` + mysqlIDs + `) j ON x.id = j.id
+SET x.delivery_state = 'pending', x.delivery_attempts = 0, x.revivals = ` + revivals + `, x.failure_kind = NULL,
+	x.next_attempt_at = ?1, x.updated_at = ?1, x.locked_until = NULL, x.batch_id = NULL
+WHERE x.delivery_state = 'failed'`
+}
+
+// mysqlMoved returns the aggregates of the rows mysqlMoveBack moved.
+func mysqlMoved(r string) string {
+	return `SELECT x.aggregate_type, x.aggregate_id FROM JSON_TABLE(@outbox_ids, ` + mysqlIDs + `) j
+JOIN ` + r + ` x ON x.id = j.id
+WHERE x.delivery_state = 'pending' AND x.updated_at = ?1`
+}
+
+// claimTx runs fn in a READ COMMITTED transaction (readCommittedTx), again
+// after a deadlock or a lock wait timeout, on mysqlTx.
+func (mysqlDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
+	return readCommittedTx(ctx, db, func(tx *sql.Tx) error { return fn(mysqlTx{tx}) })
+}
+
+// mysqlTx is a claim's transaction. It runs a statement list (statements
+// separated by mysqlThen) one statement after the other, each with the
+// arguments it names, and returns the rows of the last; and it binds
+// numbered placeholders.
+type mysqlTx struct{ tx *sql.Tx }
+
+func (q mysqlTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	var res sql.Result
+	for _, stmt := range strings.Split(query, mysqlThen) {
+		text, bound := bindMySQL(stmt, args)
+		var err error
+		if res, err = q.tx.ExecContext(ctx, text, bound...); err != nil {
+			return nil, err
+		}
+	}
+	return res, nil
+}
+
+func (q mysqlTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	stmts := strings.Split(query, mysqlThen)
+	for _, stmt := range stmts[:len(stmts)-1] {
+		text, bound := bindMySQL(stmt, args)
+		if _, err := q.tx.ExecContext(ctx, text, bound...); err != nil {
+			return nil, err
+		}
+	}
+	text, bound := bindMySQL(stmts[len(stmts)-1], args)
+	return q.tx.QueryContext(ctx, text, bound...)
+}
+
+// bindMySQL rewrites numbered placeholders (?1, ?2, ...) into bare ones,
+// and returns the arguments in the order of the text; a statement without
+// them takes args as they are. Our statements hold no literal question
+// mark.
+func bindMySQL(stmt string, args []any) (string, []any) {
+	if !strings.Contains(stmt, "?1") {
+		return stmt, args
+	}
+	var (
+		b     strings.Builder
+		bound []any
+	)
+	b.Grow(len(stmt))
+	for i := 0; i < len(stmt); i++ {
+		if stmt[i] != '?' {
+			b.WriteByte(stmt[i])
+			continue
+		}
+		j := i + 1
+		for j < len(stmt) && stmt[j] >= '0' && stmt[j] <= '9' {
+			j++
+		}
+		n, _ := strconv.Atoi(stmt[i+1 : j])
+		b.WriteByte('?')
+		bound = append(bound, args[n-1])
+		i = j - 1
+	}
+	return b.String(), bound
+}
+
+func (mysqlDialect) checkPool(db *gorm.DB) error { return mysqlCheckPool(db) }
+
+// listen: MySQL has no notifications; the in-process nudge and the poll
+// wake dispatchers.
+func (mysqlDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
+
+// migrateTx: MySQL commits each DDL statement on its own, so a migration
+// is no transaction; each of ours is written to be run again after a
+// failure (CREATE TABLE IF NOT EXISTS, a table and its indexes in one
+// statement). Concurrent migrations queue on a named lock (GET_LOCK) that
+// the connection running them holds; its name holds the database's and
+// the table's, hashed into its 64 characters.
+func (mysqlDialect) migrateTx(ctx context.Context, db *gorm.DB, t tables, fn func(q querier) error) error {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return err
+	}
+	conn, err := sqlDB.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	const lock = `CONCAT('gorm-outbox:', SHA1(CONCAT(DATABASE(), '.', ?)))`
+	var got sql.NullInt64
+	if err := conn.QueryRowContext(ctx, `SELECT GET_LOCK(`+lock+`, ?)`, t.name, int(migrateLockWait.Seconds())).Scan(&got); err != nil {
+		return err
+	}
+	if got.Int64 != 1 {
+		return fmt.Errorf("another migration of %s held its lock for %v", t.name, migrateLockWait)
+	}
+	defer conn.ExecContext(context.WithoutCancel(ctx), `DO RELEASE_LOCK(`+lock+`)`, t.name)
+	return fn(conn)
+}
+
+// migrateLockWait is how long a migration waits for another one.
+const migrateLockWait = time.Minute
