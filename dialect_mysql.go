@@ -294,31 +294,36 @@ func (q mysqlTx) QueryContext(ctx context.Context, query string, args ...any) (*
 }
 
 // bindMySQL rewrites numbered placeholders (?1, ?2, ...) into bare ones,
-// and returns the arguments in the order of the text; a statement without
-// them takes args as they are. Our statements hold no literal question
-// mark.
+// and returns the arguments in the order of the text. A statement without
+// numbered placeholders takes args as they are, and one without any none.
+// Our statements hold no literal question mark.
 func bindMySQL(stmt string, args []any) (string, []any) {
-	if !strings.Contains(stmt, "?1") {
-		return stmt, args
+	if !strings.Contains(stmt, "?") {
+		return stmt, nil
 	}
 	var (
-		b     strings.Builder
-		bound []any
+		b        strings.Builder
+		bound    []any
+		numbered bool
 	)
 	b.Grow(len(stmt))
 	for i := 0; i < len(stmt); i++ {
+		b.WriteByte(stmt[i])
 		if stmt[i] != '?' {
-			b.WriteByte(stmt[i])
 			continue
 		}
 		j := i + 1
 		for j < len(stmt) && stmt[j] >= '0' && stmt[j] <= '9' {
 			j++
 		}
-		n, _ := strconv.Atoi(stmt[i+1 : j])
-		b.WriteByte('?')
-		bound = append(bound, args[n-1])
-		i = j - 1
+		if n, err := strconv.Atoi(stmt[i+1 : j]); err == nil && n >= 1 && n <= len(args) {
+			bound = append(bound, args[n-1])
+			numbered = true
+			i = j - 1
+		}
+	}
+	if !numbered {
+		return stmt, args
 	}
 	return b.String(), bound
 }

@@ -37,6 +37,7 @@ func (mysqlDialect) timeArg(t time.Time) any { return t.Truncate(time.Microsecon
 // errors), and the sequence is given back, so that a caller who goes on
 // and commits leaves no gap.
 func (d mysqlDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, _ bool) (bool, error) {
+	t = d.tables(t.name) // quoted for MySQL, whoever quoted t
 	if err := fitsPacket(ctx, conn, e); err != nil {
 		return false, err
 	}

@@ -15,7 +15,7 @@ import (
 // versioned: the first migration, applied without a version table.
 func oldSchema(t *testing.T, e outboxtest.Engine) []string {
 	t.Helper()
-	dir := map[outboxtest.Engine]string{outboxtest.SQLite: "sqlite", outboxtest.Postgres: "postgres"}[e]
+	dir := map[outboxtest.Engine]string{outboxtest.SQLite: "sqlite", outboxtest.Postgres: "postgres", outboxtest.MySQL: "mysql"}[e]
 	text, err := fs.ReadFile(outbox.Migrations, "migrations/"+dir+"/0001_init.sql")
 	mustNil(t, err)
 	var stmts []string

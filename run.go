@@ -28,7 +28,10 @@ func WithListen(enabled bool) DispatcherOption {
 
 // followUp is how soon Run looks again after an in-process wake-up that
 // found nothing: the wake-up may have come from a write whose explicit
-// transaction had not committed yet.
+// transaction had not committed yet. While the looks find nothing, each
+// waits twice as long as the one before, up to the poll interval: on
+// MySQL a claim passes by rows not committed yet, where SQLite's waits
+// for the writer's commit.
 const followUp = 20 * time.Millisecond
 
 // Run dispatches until ctx ends, then returns nil. It claims again at once
@@ -60,6 +63,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	work := context.WithoutCancel(ctx)
 	timer := time.NewTimer(0)
 	defer timer.Stop()
+	var follow time.Duration // the last follow-up's wait, while they find nothing
 	for {
 		woken := false
 		select {
@@ -80,7 +84,14 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		case r.More:
 			wait = 0
 		case r.Claimed == 0 && woken && d.inProcess.Load():
-			wait = min(wait, followUp)
+			follow = followUp
+			wait = min(wait, follow)
+		case r.Claimed == 0 && follow > 0 && 2*follow < wait:
+			follow *= 2
+			wait = follow
+		}
+		if r.Claimed > 0 || err != nil {
+			follow = 0
 		}
 		if !timer.Stop() {
 			select {

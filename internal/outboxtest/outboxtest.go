@@ -46,7 +46,7 @@ const (
 )
 
 // Engines lists every engine, for tests that run one suite against each.
-var Engines = []Engine{SQLite, Postgres}
+var Engines = []Engine{SQLite, Postgres, MySQL}
 
 // DB is an isolated test database.
 type DB struct {
