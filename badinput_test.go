@@ -180,9 +180,9 @@ func TestUnreadableRowIsDeadLetteredAndHoldsBackOnlyItsAggregate(t *testing.T) {
 		engines []outboxtest.Engine
 		spoil   string
 	}{
-		{"headers that are not a JSON object of strings", []outboxtest.Engine{outboxtest.SQLite, outboxtest.Postgres},
+		{"headers that are not a JSON object of strings", []outboxtest.Engine{outboxtest.SQLite, outboxtest.Postgres, outboxtest.MySQL},
 			`UPDATE outbox_records SET headers = '{"k": 1}'`},
-		// PostgreSQL's timestamptz column cannot hold it.
+		// PostgreSQL's timestamptz and MySQL's DATETIME columns cannot hold it.
 		{"an occurred_at that is not a time", []outboxtest.Engine{outboxtest.SQLite},
 			`UPDATE outbox_records SET occurred_at = 'yesterday'`},
 	} {

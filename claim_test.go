@@ -98,9 +98,11 @@ func TestClaimBatchesByEngineAndMode(t *testing.T) {
 		// The four oldest events, then the rest.
 		{"SQLite, default claim", outboxtest.SQLite, false, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
 		{"Postgres, default claim", outboxtest.Postgres, false, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
+		{"MySQL, default claim", outboxtest.MySQL, false, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
 		// Runs share the batch between the heads: two of each, then the rest.
 		{"SQLite, by runs", outboxtest.SQLite, true, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
 		{"Postgres, by runs", outboxtest.Postgres, true, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
+		{"MySQL, by runs", outboxtest.MySQL, true, "[[a#1 b#1 a#2 b#2] [a#3 b#3]]"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			b := setup(t, tc.engine, nil)

@@ -48,7 +48,7 @@ func mustExec(t *testing.T, db *gorm.DB, query string, args ...any) {
 }
 
 func forEngines(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
-	for _, e := range []outboxtest.Engine{outboxtest.SQLite, outboxtest.Postgres} {
+	for _, e := range outboxtest.Engines {
 		t.Run(string(e), func(t *testing.T) { fn(t, e) })
 	}
 }
