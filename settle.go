@@ -123,9 +123,12 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 		res sql.Result
 		err error
 	)
-	if k.state == StateDelivered {
-		res, err = d.pool().ExecContext(ctx, d.st.settleDelivered, ts, batchID, d.d.idList(ids))
-	} else {
+	// A settle runs again after a MySQL deadlock or lock wait timeout.
+	err = retryLocks(ctx, func() (err error) {
+		if k.state == StateDelivered {
+			res, err = d.pool().ExecContext(ctx, d.st.settleDelivered, ts, batchID, d.d.idList(ids))
+			return err
+		}
 		var lastErr, kind any // NULL keeps the last failure's reason (not attempted)
 		if k.hasErr {
 			lastErr = k.lastErr
@@ -135,7 +138,8 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 		}
 		res, err = d.pool().ExecContext(ctx, d.st.settleOther, k.state, k.attempts, d.d.timeArg(k.next),
 			lastErr, kind, ts, batchID, d.d.idList(ids))
-	}
+		return err
+	})
 	if err != nil {
 		return 0, err
 	}
