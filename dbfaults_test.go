@@ -236,12 +236,21 @@ var faultRunSeq atomic.Int64
 func startFaultRun(t *testing.T, writers, dispatchers int) *faultRun {
 	t.Helper()
 	b := setup(t, outboxtest.Postgres, nil)
+	return startFaultRunOn(t, b, writers, dispatchers, func(tag, role string, cfg *gorm.Config) *gorm.DB {
+		return outboxtest.Reopen(t, outboxtest.DB{Engine: outboxtest.Postgres, DSN: b.info.DSN + " application_name=" + tag + "_" + role}, cfg)
+	})
+}
+
+// startFaultRunOn is startFaultRun on b, with the writers' and the
+// dispatchers' pools from open (role "writer" or "dispatcher").
+func startFaultRunOn(t *testing.T, b bundle, writers, dispatchers int, open func(tag, role string, cfg *gorm.Config) *gorm.DB) *faultRun {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &faultRun{b: b, tag: fmt.Sprintf("outbox_fault_%d_%d", os.Getpid(), faultRunSeq.Add(1)), cancel: cancel,
 		logs: &logWatch{}, acc: newAcceptLog(b.db)}
 	t.Cleanup(r.abort)
 	for i := range dispatchers {
-		db := outboxtest.Reopen(t, outboxtest.DB{Engine: outboxtest.Postgres, DSN: b.info.DSN + " application_name=" + r.tag + "_dispatcher"}, nil)
+		db := open(r.tag, "dispatcher", nil)
 		mustNil(t, db.Use(outbox.Plugin()))
 		d := newDispatcher(t, db, r.acc, outbox.WithLogger(slog.New(r.logs)),
 			outbox.WithLease(2*time.Second), outbox.WithPublishTimeout(time.Second), outbox.WithBatchSize(20),
@@ -261,7 +270,7 @@ func startFaultRun(t *testing.T, writers, dispatchers int) *faultRun {
 		// a single statement, and the plugin's (SkipDefaultTransaction).
 		mode := []string{"explicit", "default", "skip-default"}[w%3]
 		cfg := &gorm.Config{SkipDefaultTransaction: mode == "skip-default"}
-		db := outboxtest.Reopen(t, outboxtest.DB{Engine: outboxtest.Postgres, DSN: b.info.DSN + " application_name=" + r.tag + "_writer"}, cfg)
+		db := open(r.tag, "writer", cfg)
 		mustNil(t, db.Use(outbox.Plugin()))
 		r.wg.Add(1)
 		go func() {
@@ -392,9 +401,9 @@ func (r *faultRun) finish(t *testing.T, timeout time.Duration) string {
 	// every creation event its order.
 	var orphans, silent int64
 	mustNil(t, r.b.db.Raw(`SELECT count(*) FROM outbox_records r WHERE r.event_type = 'order.create'
-		AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.id::text = r.aggregate_id)`).Scan(&orphans).Error)
+		AND NOT EXISTS (SELECT 1 FROM orders o WHERE concat(o.id) = r.aggregate_id)`).Scan(&orphans).Error)
 	mustNil(t, r.b.db.Raw(`SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT 1 FROM outbox_records r
-		WHERE r.event_type = 'order.create' AND r.aggregate_id = o.id::text)`).Scan(&silent).Error)
+		WHERE r.event_type = 'order.create' AND r.aggregate_id = concat(o.id))`).Scan(&silent).Error)
 	if orphans != 0 || silent != 0 {
 		t.Errorf("%d creation events without their order, %d orders without their creation event", orphans, silent)
 	}
