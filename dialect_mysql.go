@@ -185,7 +185,9 @@ SET x.delivery_state = p.state, x.delivery_attempts = p.attempts, x.next_attempt
 WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
 
 		// Each lookup runs once per aggregate through the aggregate index:
-		// min over the aggregate's undelivered rows, then the head itself.
+		// the aggregate's first undelivered row (ORDER BY ... LIMIT 1 reads
+		// one index entry, where MariaDB's min of a correlated subquery
+		// reads them all), then the head itself.
 		blockers: `SELECT g.bt, g.ba, g.hs, g.state, CASE WHEN g.state = 'failed' THEN q.lease_end ELSE g.next_at END
 FROM (
 	SELECT m.bt, m.ba, m.hs, h.next_attempt_at AS next_at, CASE
@@ -193,8 +195,9 @@ FROM (
 			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > m.at OR m.hs < m.ws) THEN h.delivery_state
 		END AS state
 	FROM (
-		SELECT s.bt, s.ba, s.ws, s.at, (SELECT min(x.aggregate_sequence) FROM ` + r + ` x
-			WHERE x.aggregate_type = s.bt AND x.undelivered_id = s.ba) AS hs
+		SELECT s.bt, s.ba, s.ws, s.at, (SELECT x.aggregate_sequence FROM ` + r + ` x
+			WHERE x.aggregate_type = s.bt AND x.undelivered_id = s.ba
+			ORDER BY x.aggregate_sequence LIMIT 1) AS hs
 		FROM (
 			SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws, min(c.at) AS at
 			FROM (
