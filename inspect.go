@@ -85,11 +85,11 @@ type MessageInfo struct {
 	NextAttemptAt  time.Time         `json:"next_attempt_at"`
 	BatchID        string            `json:"batch_id,omitempty"`
 	LastError      string            `json:"last_error,omitempty"`
-	LockedUntil    time.Time         `json:"locked_until"`
+	LockedUntil    time.Time         `json:"locked_until,omitzero"`
 	OccurredAt     time.Time         `json:"occurred_at"`
 	CreatedAt      time.Time         `json:"created_at"`
 	UpdatedAt      time.Time         `json:"updated_at"`
-	DeliveredAt    time.Time         `json:"delivered_at"`
+	DeliveredAt    time.Time         `json:"delivered_at,omitzero"`
 }
 
 // messageColumns names every column MessageInfo reads, so that a table
