@@ -437,7 +437,9 @@ func TestServeServesTheDashboardBehindItsToken(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan int, 1)
 	var out bytes.Buffer
-	go func() { done <- run(ctx, []string{"serve", "--db", f.url, "--addr", addr, "--token", "0123456789abcdef"}, &out, &out) }()
+	go func() {
+		done <- run(ctx, []string{"serve", "--db", f.url, "--addr", addr, "--token", "0123456789abcdef"}, &out, &out)
+	}()
 	get := func(token string) int {
 		req, _ := http.NewRequest("GET", "http://"+addr+"/dead", nil)
 		if token != "" {
