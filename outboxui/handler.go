@@ -36,7 +36,9 @@ type config struct {
 }
 
 // WithAuth lets in the requests for which allow returns true; the others
-// get 401. allow runs for every request, static assets included. A nil
+// get 401. allow runs for every request but those of the embedded
+// stylesheet and script and of the login form, which are the same for
+// everyone and show nothing of the table. A nil
 // allow is a configuration error: every request then gets 401 naming it.
 func WithAuth(allow func(*http.Request) bool) Option {
 	return func(c *config) {
