@@ -211,10 +211,18 @@ func (u *ui) login(w http.ResponseWriter, r *http.Request) {
 	// request's URL, which is where the handler is mounted.
 	http.SetCookie(w, &http.Cookie{Name: CookieName, Value: u.session, HttpOnly: true,
 		SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: 12 * 3600})
-	http.Redirect(w, r, "./", http.StatusSeeOther)
+	seeOther(w, "./")
 }
 
 func (u *ui) logout(w http.ResponseWriter, r *http.Request) {
 	http.SetCookie(w, &http.Cookie{Name: CookieName, Value: "", HttpOnly: true, SameSite: http.SameSiteStrictMode, MaxAge: -1})
-	http.Redirect(w, r, "login", http.StatusSeeOther)
+	seeOther(w, "login")
+}
+
+// seeOther redirects to ref, a reference relative to the request's URL
+// as the browser sent it. (http.Redirect would resolve it against the
+// path after http.StripPrefix, which is not where the handler is mounted.)
+func seeOther(w http.ResponseWriter, ref string) {
+	w.Header().Set("Location", ref)
+	w.WriteHeader(http.StatusSeeOther)
 }

@@ -139,7 +139,7 @@ func TestAPayloadWithMarkupIsShownAsText(t *testing.T) {
 	if code != http.StatusOK || strings.Contains(body, "<script>alert") || strings.Contains(body, "<img src=x>") || strings.Contains(body, "<b>type") {
 		t.Fatalf("%d, markup from the row reached the page unescaped:\n%s", code, body)
 	}
-	mustContain(t, "message page", body, `&lt;b&gt;type&lt;/b&gt;`, `&lt;img src=x&gt;`)
+	mustContain(t, "message page", body, `&lt;b&gt;type&lt;/b&gt;`, `&lt;img src=x&gt;`, `&lt;script&gt;alert(1)&lt;/script&gt;`)
 }
 
 func TestTheMessagePageSaysWhatHoldsItBack(t *testing.T) {

@@ -180,7 +180,7 @@ func (u *ui) requeue(w http.ResponseWriter, r *http.Request) {
 		ids = []string{one}
 	}
 	if len(ids) == 0 {
-		http.Redirect(w, r, "dead?requeued=0", http.StatusSeeOther)
+		seeOther(w, "dead?requeued=0")
 		return
 	}
 	n, err := u.d.Requeue(r.Context(), outbox.RequeueFilter{EventIDs: ids, Limit: len(ids)})
@@ -189,10 +189,10 @@ func (u *ui) requeue(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.PostForm.Get("back") == "message" && len(ids) == 1 {
-		http.Redirect(w, r, "message?id="+url.QueryEscape(ids[0])+"&requeued="+strconv.Itoa(n), http.StatusSeeOther)
+		seeOther(w, "message?id="+url.QueryEscape(ids[0])+"&requeued="+strconv.Itoa(n))
 		return
 	}
-	http.Redirect(w, r, "dead?requeued="+strconv.Itoa(n), http.StatusSeeOther)
+	seeOther(w, "dead?requeued="+strconv.Itoa(n))
 }
 
 type messageData struct {
@@ -289,12 +289,32 @@ func orNone(s string) string {
 	return s
 }
 
+// pretty indents a JSON document for reading, and writes the characters
+// that encoding/json stores escaped (<, >, &) as themselves: the page
+// escapes them for HTML, and shows what the payload says.
 func pretty(raw json.RawMessage) string {
 	var b bytes.Buffer
 	if err := json.Indent(&b, raw, "", "  "); err != nil {
 		return string(raw)
 	}
-	return b.String()
+	in := b.Bytes()
+	out := make([]byte, 0, len(in))
+	for i := 0; i < len(in); i++ {
+		if in[i] != '\\' || i+1 == len(in) {
+			out = append(out, in[i])
+			continue
+		}
+		if in[i+1] == 'u' && i+6 <= len(in) {
+			if c, ok := map[string]byte{"003c": '<', "003e": '>', "0026": '&'}[strings.ToLower(string(in[i+2:i+6]))]; ok {
+				out = append(out, c)
+				i += 5
+				continue
+			}
+		}
+		out = append(out, in[i], in[i+1]) // an escape pair, such as \\ or \"
+		i++
+	}
+	return string(out)
 }
 
 type searchData struct {
@@ -316,7 +336,7 @@ func (u *ui) search(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx := r.Context()
 	if _, err := u.d.Message(ctx, q); err == nil {
-		http.Redirect(w, r, "message?id="+url.QueryEscape(q), http.StatusSeeOther)
+		seeOther(w, "message?id="+url.QueryEscape(q))
 		return
 	} else if !errors.Is(err, outbox.ErrMessageNotFound) {
 		u.fail(w, r, http.StatusInternalServerError, err)
