@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -141,4 +142,25 @@ func TestCheckWithANegativeMaxDueAgeIgnoresLag(t *testing.T) {
 	if len(vs) != 0 {
 		t.Fatalf("violations %v with the lag check off", vs)
 	}
+}
+
+// Check after a chaos test: here, a lease that a killed dispatcher left
+// behind an hour ago, which no dispatcher has claimed again.
+func ExampleDispatcher_Check() {
+	db, done := openExampleDB()
+	defer done()
+	outbox.Publish(db, outbox.Event{ID: "evt-1", Type: "order.created", AggregateType: "order", AggregateID: "42"})
+	d, _ := outbox.NewDispatcher(db, outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil }))
+	vs, _ := d.Check(context.Background(), outbox.CheckOptions{})
+	fmt.Println(len(vs), "violations")
+
+	db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', locked_until = ?`,
+		time.Now().Add(-time.Hour).UTC().Format("2006-01-02 15:04:05.000000000+00:00"))
+	vs, _ = d.Check(context.Background(), outbox.CheckOptions{MaxDueAge: -1})
+	for _, v := range vs {
+		fmt.Println(v.Kind, v.EventID)
+	}
+	// Output:
+	// 0 violations
+	// expired-lease evt-1
 }

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"encoding/json"
 	"errors"
 	"testing"
@@ -169,4 +170,30 @@ func TestActivityCountsDeliveriesAndFailuresPerInterval(t *testing.T) {
 			}
 		}
 	})
+}
+
+// What an operator looks at first: the dead letters of one event type,
+// and then one of them whole.
+func ExampleDispatcher_Messages() {
+	db, done := openExampleDB()
+	defer done()
+	for _, id := range []string{"evt-1", "evt-2"} {
+		outbox.Publish(db, outbox.Event{ID: id, Type: "order.created", AggregateType: "order", AggregateID: "42",
+			Payload: map[string]int{"total": 3}})
+	}
+	db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivery_attempts = 10, last_error = 'broker said no' WHERE event_id = 'evt-1'`)
+	d, _ := outbox.NewDispatcher(db, outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil }))
+
+	dead, _ := d.Messages(context.Background(), outbox.MessageFilter{States: []string{outbox.StateFailed}, EventTypes: []string{"order.created"}})
+	for _, m := range dead {
+		fmt.Println(m.EventID, m.AggregateType+"/"+m.AggregateID, m.Sequence, m.Attempts, m.LastError)
+	}
+	m, _ := d.Message(context.Background(), "evt-2")
+	fmt.Println(m.EventID, m.State, string(m.Payload))
+	_, err := d.Message(context.Background(), "evt-3")
+	fmt.Println(errors.Is(err, outbox.ErrMessageNotFound))
+	// Output:
+	// evt-1 order/42 1 10 broker said no
+	// evt-2 pending {"total":3}
+	// true
 }
