@@ -2,9 +2,9 @@ package outbox_test
 
 import (
 	"context"
-	"fmt"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
