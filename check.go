@@ -17,7 +17,8 @@ const (
 	// without a sequence row or beyond it).
 	ViolationSequenceGap = "sequence-gap"
 	// ViolationOrder: a delivered message follows, in its aggregate, an
-	// undelivered one that no late settle explains.
+	// undelivered one that no late settle explains (one no claim has
+	// taken since it was written or requeued).
 	ViolationOrder = "order"
 	// ViolationExpiredLease: a delivering row's lease ended longer ago
 	// than CheckOptions.LeaseGrace: no dispatcher is claiming it again.
@@ -93,14 +94,15 @@ func (v Violation) String() string {
 //     oldest delivery first. (Cleanup after a late settle's redelivery
 //     may delete a later sequence before an earlier one; Check then
 //     reports that gap too.)
-//   - Order: no delivered row follows a pending row of its aggregate. An
-//     undelivered row that was handed to a publisher (delivering, retry
-//     or failed) may precede delivered ones: its publish was accepted
-//     and its settle lost or late (the lease ended first), which lets the
-//     later events go while it is delivered again. A pending row was
-//     never handed out since it was written or requeued, so nothing after
-//     it may be delivered. (A dead letter requeued after such a late
-//     settle is pending again, and is reported.)
+//   - Order: no delivered row follows, in its aggregate, a pending row
+//     that no claim has taken since it was written or requeued (its
+//     batch_id is empty): nothing after such a row was ever allowed out.
+//     A row that a claim took (delivering, retry, failed, or pending
+//     again because a publisher did not attempt it) may precede delivered
+//     ones: its publish may have been accepted and its settle lost or
+//     late (the lease ended first), which lets the later events go while
+//     it is delivered again. (A dead letter requeued after such a late
+//     settle has an empty batch_id again, and is reported.)
 //   - Leases: no delivering row whose lease ended longer ago than
 //     LeaseGrace.
 //   - Keys: every idempotency key and every event id once.
@@ -186,7 +188,7 @@ func (d *Dispatcher) checkOrder(ctx context.Context, _ time.Time, _ CheckOptions
 FROM `+d.t.records+` l JOIN `+d.t.records+` e
 	ON e.aggregate_type = l.aggregate_type AND e.aggregate_id = l.aggregate_id
 	AND e.aggregate_sequence < l.aggregate_sequence
-WHERE l.delivery_state = 'delivered' AND e.delivery_state = 'pending'
+WHERE l.delivery_state = 'delivered' AND e.delivery_state = 'pending' AND e.batch_id IS NULL
 GROUP BY l.aggregate_type, l.aggregate_id, l.event_id, l.aggregate_sequence
 ORDER BY l.aggregate_type, l.aggregate_id, l.aggregate_sequence
 LIMIT ?`), CheckViolationLimit)
@@ -205,7 +207,7 @@ LIMIT ?`), CheckViolationLimit)
 			return nil, fmt.Errorf("order: %w", err)
 		}
 		v.Kind = ViolationOrder
-		v.Detail = fmt.Sprintf("sequence %d is delivered while %d earlier one(s) are pending, from sequence %d", seq, n, first)
+		v.Detail = fmt.Sprintf("sequence %d is delivered while %d earlier one(s) were never claimed, from sequence %d", seq, n, first)
 		out = append(out, v)
 	}
 	return out, rows.Err()
