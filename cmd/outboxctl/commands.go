@@ -268,14 +268,15 @@ func checkCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "check",
 		Short: "Verify the outbox's promises on the live table; exit 2 on a violation",
-		Long: `check verifies, on the live table: sequences gapless per aggregate (below the
-lowest remaining row, cleanup may have deleted delivered ones), no delivered
-message after one of its aggregate that no claim has taken since it was
-written or requeued (a late settle explains the others), no delivering
-message whose
-lease ended more than --lease-grace ago, every idempotency key and event id
-once, and the oldest due message younger than --max-due-age. It prints each
-violation on a line and exits with status 2 when there is one.
+		Long: `check verifies, on the live table:
+  - sequences gapless per aggregate (below the lowest remaining row,
+    cleanup may have deleted delivered ones);
+  - no delivered message after one of its aggregate that no claim has taken
+    since it was written or requeued (a late settle explains the others);
+  - no delivering message whose lease ended more than --lease-grace ago;
+  - every idempotency key and event id once;
+  - the oldest due message younger than --max-due-age.
+It prints each violation on a line and exits with status 2 when there is one.
 
 Run it after your own chaos tests (killed dispatchers, restarted databases),
 once the dispatchers have drained what they could.`,
