@@ -98,7 +98,7 @@ func TestMessageReadsTheWholeRow(t *testing.T) {
 		mustNil(t, outbox.Publish(b.db, outbox.Event{ID: "ev-1", Type: "order.created", AggregateType: "order", AggregateID: "7",
 			IdempotencyKey: "k-1", Payload: map[string]int{"total": 3}, Headers: map[string]string{"trace": "abc"}, OccurredAt: occurred}))
 		fail := errors.New("broker down")
-		d := newDispatcher(t, b.db, &recorder{next: func(outbox.Batch) error { return fail }})
+		d := newDispatcher(t, b.db, &recorder{Next: func(outbox.Batch) error { return fail }})
 		dispatch(t, d)
 		m, err := d.Message(context.Background(), "ev-1")
 		mustNil(t, err)
