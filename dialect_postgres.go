@@ -151,6 +151,7 @@ WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
 			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > $1 OR hs < ws) THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= $1 AND hs < ws THEN 'delivering'
 		END FROM ` + r + ` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS state

@@ -12,7 +12,7 @@ import (
 // letter (it comes back through RetryFailed or Requeue, which make the
 // rows behind it due again; the lease bounds the wait if it comes back
 // some other way). Rows behind a head in flight are left alone: it
-// settles within the publish timeout. Rows that came due before their
+// settles within the publish timeout, or its lease passes. Rows that came due before their
 // head in due order (written while it waited) are moved to the head's
 // time, behind it: a window full of them would hold no row a claim can
 // take. After a settle that came after its lease (see claim.go), an
@@ -59,7 +59,10 @@ type blocker struct {
 // seen among the oldest due rows: a head that waits for a retry (until its
 // time) or for a requeue (for one lease), or a due head that the oldest
 // rows do not reach because rows of its aggregate come before it in due
-// order (until its time, which puts them behind it).
+// order (until its time, which puts them behind it). An expired lease is
+// such a head: a claim set its next_attempt_at to the lease's end, after
+// the rows written behind it while it was in flight, and when its
+// dispatcher died those rows would fill every window.
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
 	res, err := d.pool().QueryContext(ctx, d.st.blockers, d.d.timeArg(now), scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)))
 	if err != nil {
