@@ -172,15 +172,17 @@ func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 		}
 	}
 
-	// A message stored after a failed one of its aggregate goes back as not
-	// attempted, so that it comes again after the failed one.
+	// Every message after a failed one of its aggregate goes back as not
+	// attempted, whatever became of it, so that it comes again after the
+	// failed one.
 	seenFailure := map[string]bool{}
 	for _, m := range b.Messages {
 		key := cloudevent.Key(m)
-		if _, bad := failed[m.EventID]; bad {
+		switch _, bad := failed[m.EventID]; {
+		case seenFailure[key] && (!bad || !errors.Is(failed[m.EventID], outbox.ErrNotAttempted)):
+			failed[m.EventID] = fmt.Errorf("%w: after a failed message of its aggregate", outbox.ErrNotAttempted)
+		case bad:
 			seenFailure[key] = true
-		} else if seenFailure[key] {
-			failed[m.EventID] = fmt.Errorf("%w: stored after a failed message of its aggregate", outbox.ErrNotAttempted)
 		}
 	}
 	if len(failed) == 0 {
