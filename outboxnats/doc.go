@@ -61,8 +61,11 @@
 // Permanent ([outbox.Permanent]): a message over the connection's
 // max_payload or the stream's max_msg_size, an invalid subject, a header
 // NATS cannot carry, and a publish the server refused for lack of
-// permission (seen as the connection's last error, a permissions
-// violation naming the subject). Retryable: no stream bound to the
+// permission. NATS reports a refusal on the connection, not in a reply:
+// the message waits for its ack until the publish context ends, and is
+// then failed permanently when the connection's last error is a
+// permissions violation naming its subject (it wraps
+// nats.ErrPermissionViolation). Retryable: no stream bound to the
 // subject, a closed or reconnecting connection, an ack timeout, and the
 // end of the publish context. nats.go reconnects by itself; a connection
 // closed with Close cannot be re-opened, and every batch then fails

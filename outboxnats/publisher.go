@@ -222,7 +222,7 @@ func classify(m outbox.Message, subject string, err error, nc *nats.Conn) error 
 		errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeMessageTooLarge:
 		return outbox.Permanent(err)
 	case nc != nil && refused(nc.LastError(), subject):
-		return outbox.Permanent(fmt.Errorf("%w (%v)", err, nc.LastError()))
+		return outbox.Permanent(fmt.Errorf("%w (%w)", err, nc.LastError()))
 	}
 	return err
 }

@@ -4,6 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -324,5 +328,84 @@ func TestContextExpiringMidBatchStopsThePublish(t *testing.T) {
 	}
 	if got := len(s.stored(t)); got != len(b.Messages) {
 		t.Fatalf("stream holds %d messages, want %d", got, len(b.Messages))
+	}
+}
+
+// startRestrictedServer starts a NATS server of the test's own, with
+// JetStream and one user that may not publish to secret.>, and stops it
+// when t ends. It returns the server's URL.
+func startRestrictedServer(t *testing.T) string {
+	t.Helper()
+	bin, err := exec.LookPath("nats-server")
+	if err != nil {
+		if bin, err = exec.LookPath("/usr/sbin/nats-server"); err != nil {
+			connect(t) // skips or fails, naming the address variable, when there is no NATS here at all
+			t.Skip("skipping: no nats-server binary to start a server with permissions")
+		}
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	dir := t.TempDir()
+	conf := filepath.Join(dir, "server.conf")
+	if err := os.WriteFile(conf, []byte(fmt.Sprintf(`listen: 127.0.0.1:%d
+jetstream { store_dir: %q }
+authorization { users = [
+  { user: app, password: secret, permissions: { publish: { allow: [">"], deny: ["secret.>"] } } }
+] }
+`, port, filepath.Join(dir, "js"))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "-c", conf)
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start nats-server: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	url := fmt.Sprintf("nats://app:secret@127.0.0.1:%d", port)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		nc, err := nats.Connect(url)
+		if err == nil {
+			nc.Close()
+			return url
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nats-server on port %d did not start: %v", port, err)
+		}
+	}
+}
+
+func TestRefusedPublishFailsPermanently(t *testing.T) {
+	t.Parallel()
+	nc, err := nats.Connect(startRestrictedServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ALL", Subjects: []string{"ok.>", "secret.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	p := newPublisher(t, js, outboxnats.WithSubject(func(m outbox.Message) string { return m.AggregateType + "." + m.AggregateID }))
+	refused, allowed := message("secret/1", 1), message("ok/1", 1)
+	pctx, pcancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer pcancel()
+	err = p.Publish(pctx, outbox.Batch{ID: "b", Messages: []outbox.Message{refused, allowed}})
+	var pe *outbox.PartialError
+	if !errors.As(err, &pe) || len(pe.Failed) != 1 {
+		t.Fatalf("Publish = %v, want only the refused message failed", err)
+	}
+	if e := pe.Failed[refused.EventID]; !outbox.IsPermanent(e) || !errors.Is(e, nats.ErrPermissionViolation) {
+		t.Fatalf("refused message: %v, want a permanent permissions violation", e)
 	}
 }
