@@ -68,5 +68,8 @@
 // messages not yet sent are reported as not attempted, those without a
 // confirm as failed with the context's error, and the channel is
 // replaced at the next batch so that their late confirms cannot be taken
-// for another's.
+// for another's. One limit comes from amqp091-go: a publish looks at its
+// context before it writes, not while, so while RabbitMQ blocks the
+// connection (a memory or disk alarm: see amqp.Connection.NotifyBlocked)
+// a write can wait past the deadline.
 package outboxamqp

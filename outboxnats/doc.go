@@ -72,5 +72,9 @@
 // until the application gives the dispatcher a publisher on a new one.
 // No publish outlives its context: messages not yet sent are reported
 // as not attempted, those without an ack as failed with the context's
-// error.
+// error. An ack that never comes (a refused publish) stays pending in the
+// JetStream context until its own timeout: create it with
+// jetstream.WithPublishAsyncTimeout so that such acks are dropped and
+// never fill its window of pending acks (jetstream.WithPublishAsyncMaxPending,
+// 4,000 by default; a publish waits for room until the deadline).
 package outboxnats
