@@ -148,4 +148,3 @@ func TestDispatcherDeadLettersAnOversizedEventAndHoldsBackItsAggregate(t *testin
 		t.Errorf("states = %v, want %v", states, want)
 	}
 }
-

@@ -500,4 +500,3 @@ func TestEmptyBatchSendsNothing(t *testing.T) {
 		t.Errorf("Publish(empty) = %v, want nil", err)
 	}
 }
-
