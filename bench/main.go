@@ -58,7 +58,7 @@ type config struct {
 // The scenario names -only accepts. "dispatch" selects all its parts; a
 // part name selects that part alone.
 var (
-	scenarioNames = []string{"write", "dispatch", "latency", "backlog"}
+	scenarioNames = []string{"write", "dispatch", "latency", "backlog", "kafka", "redis"}
 	dispatchParts = []string{"outbox", "raw", "river", "watermill", "sqlite"}
 )
 
@@ -280,6 +280,8 @@ func run(ctx context.Context, c config, out io.Writer) error {
 		{"dispatch", runDispatch},
 		{"latency", runLatency},
 		{"backlog", runBacklog},
+		{"kafka", runKafka},
+		{"redis", runRedis},
 	}
 	for _, s := range steps {
 		if !c.want(s.name) && !(s.name == "dispatch" && anyDispatchPart(c)) {
