@@ -68,7 +68,9 @@
 // (kerr.TopicAuthorizationFailed, kerr.ClusterAuthorizationFailed,
 // kerr.SaslAuthenticationFailed), kerr.InvalidRecord,
 // kerr.PolicyViolation and kerr.UnsupportedForMessageFormat, and
-// [ErrReservedHeader].
+// [ErrReservedHeader]. The broker refuses a record batch whole: when it
+// finds several records too large, Publish produces them again one at a
+// time, so that only the record at fault is dead-lettered.
 //
 // Retryable (the message is retried with backoff): everything else, in
 // particular timeouts and the end of the context, brokers unreachable or

@@ -163,6 +163,7 @@ func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 		return fmt.Errorf("outboxkafka: publish: %w", err)
 	}
 	var (
+		recs    = make([]*kgo.Record, len(b.Messages)) // nil for a message not produced
 		mu      sync.Mutex
 		results = make([]error, len(b.Messages))
 		settled = make([]bool, len(b.Messages))
@@ -190,20 +191,22 @@ func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 			settle(i, err)
 			continue
 		}
-		p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) {
-			if err != nil {
-				err = classify(fmt.Errorf("outboxkafka: publish %s to %s: %w", m.EventID, rec.Topic, err))
-			}
-			settle(i, err)
-		})
+		recs[i] = rec
+		p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) { settle(i, produceError(m, rec, err)) })
 	}
+	all := true
 	select {
 	case <-done:
 	case <-ctx.Done():
+		all = false
+	}
+	mu.Lock()
+	outcomes, acked := slices.Clone(results), slices.Clone(settled)
+	mu.Unlock()
+	if all {
+		p.isolateTooLarge(ctx, b.Messages, recs, outcomes)
 	}
 
-	mu.Lock()
-	defer mu.Unlock()
 	failed := make(map[string]error)
 	stopped := make(map[string]bool) // aggregates whose earlier message failed
 	for i, m := range b.Messages {
@@ -212,19 +215,75 @@ func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 			failed[m.EventID] = outbox.ErrNotAttempted
 			continue
 		}
-		err := results[i]
-		if !settled[i] {
+		err := outcomes[i]
+		if !acked[i] {
 			err = fmt.Errorf("outboxkafka: publish %s: no acknowledgement before the context ended: %w", m.EventID, context.Cause(ctx))
 		}
 		if err != nil {
 			stopped[key] = true
-			failed[m.EventID] = err
+			failed[m.EventID] = classify(err)
 		}
 	}
 	if len(failed) == 0 {
 		return nil
 	}
 	return &outbox.PartialError{Failed: failed}
+}
+
+// produceError names the message and topic of a failed produce.
+func produceError(m outbox.Message, rec *kgo.Record, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("outboxkafka: publish %s to %s: %w", m.EventID, rec.Topic, err)
+}
+
+// isolateTooLarge produces again, one at a time and in batch order, the
+// records that the broker refused as too large when several were: the
+// broker refuses a record batch whole, so that only a record refused on
+// its own is known to be too large, and the others of its batch deserve
+// another try. A record behind a failed one of its aggregate is left
+// failed (it is reported not attempted). outcomes is updated in place.
+func (p *Publisher) isolateTooLarge(ctx context.Context, msgs []outbox.Message, recs []*kgo.Record, outcomes []error) {
+	suspect := func(i int) bool {
+		return recs[i] != nil && (errors.Is(outcomes[i], kerr.MessageTooLarge) || errors.Is(outcomes[i], kerr.RecordListTooLarge))
+	}
+	suspects := 0
+	for i := range msgs {
+		if suspect(i) {
+			suspects++
+		}
+	}
+	if suspects < 2 {
+		return
+	}
+	stopped := make(map[string]bool)
+	for i, m := range msgs {
+		key := cloudevent.Key(m)
+		if stopped[key] {
+			continue
+		}
+		if suspect(i) {
+			r := recs[i]
+			outcomes[i] = produceError(m, r, p.produceOne(ctx, &kgo.Record{Topic: r.Topic, Key: r.Key, Value: r.Value, Headers: r.Headers}))
+		}
+		if outcomes[i] != nil {
+			stopped[key] = true
+		}
+	}
+}
+
+// produceOne produces rec and waits for its acknowledgement, or for ctx to
+// end.
+func (p *Publisher) produceOne(ctx context.Context, rec *kgo.Record) error {
+	acked := make(chan error, 1)
+	p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) { acked <- err })
+	select {
+	case err := <-acked:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("no acknowledgement before the context ended: %w", context.Cause(ctx))
+	}
 }
 
 // record builds m's record, or says why m cannot be sent; such an error is
@@ -297,6 +356,9 @@ var permanentErrors = []error{
 
 // classify marks err permanent when it is one of permanentErrors.
 func classify(err error) error {
+	if outbox.IsPermanent(err) {
+		return err
+	}
 	for _, p := range permanentErrors {
 		if errors.Is(err, p) {
 			return outbox.Permanent(err)

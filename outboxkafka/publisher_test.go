@@ -3,6 +3,8 @@ package outboxkafka_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -499,4 +501,74 @@ func TestEmptyBatchSendsNothing(t *testing.T) {
 	if err := p.Publish(context.Background(), outbox.Batch{ID: "empty"}); err != nil {
 		t.Errorf("Publish(empty) = %v, want nil", err)
 	}
+}
+
+func TestAuthorizationRefusedIsPermanent(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 1)
+	// The broker refuses every produce request for the topics in it, as
+	// a broker with ACLs answers a principal without WRITE on them.
+	c.ControlKey(int16(kmsg.Produce), func(kr kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		req := kr.(*kmsg.ProduceRequest)
+		resp := req.ResponseKind().(*kmsg.ProduceResponse)
+		resp.Version = req.Version
+		for _, rt := range req.Topics {
+			st := kmsg.NewProduceResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewProduceResponseTopicPartition()
+				sp.Partition, sp.ErrorCode = rp.Partition, kerr.TopicAuthorizationFailed.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(uniqueTopic(t)))
+	failed := failures(t, publish(t, p, msg("1", 1), msg("1", 2)))
+	if e := failed["evt-1-1"]; !outbox.IsPermanent(e) || !errors.Is(e, kerr.TopicAuthorizationFailed) {
+		t.Errorf("evt-1-1: %v, want permanent kerr.TopicAuthorizationFailed", e)
+	}
+	if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
+		t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
+	}
+}
+
+func TestRecordTheBrokerFindsTooLargeIsPermanent(t *testing.T) {
+	t.Parallel()
+	// The broker accepts less than the client's ProducerBatchMaxBytes, so
+	// only the broker can refuse the record: after it is produced.
+	c := newCluster(t, 1, kfake.BrokerConfigs(map[string]string{"message.max.bytes": "4096"}))
+	topic := uniqueTopic(t)
+	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(topic))
+
+	big := msg("1", 2)
+	noise := make([]byte, 8<<10) // incompressible, so that it stays too large
+	rand.Read(noise)
+	big.Payload = json.RawMessage(`"` + hex.EncodeToString(noise) + `"`)
+	err := publish(t, p, msg("1", 1), big, msg("1", 3), msg("2", 1))
+	failed := failures(t, err)
+	if e := failed[big.EventID]; !outbox.IsPermanent(e) || !errors.Is(e, kerr.MessageTooLarge) {
+		t.Errorf("oversized message: %v, want permanent kerr.MessageTooLarge", e)
+	}
+	if e := failed["evt-1-3"]; !errors.Is(e, outbox.ErrNotAttempted) {
+		t.Errorf("message after it in its aggregate: %v, want ErrNotAttempted", e)
+	}
+	// Whatever franz-go batched with the big record fails with it; every
+	// message reported accepted is in the topic.
+	stored := map[string]bool{}
+	for _, rec := range consume(t, c.ListenAddrs(), topic, 4, 2*time.Second) {
+		id, _ := header(rec, "ce_id")
+		stored[id] = true
+	}
+	if stored[big.EventID] {
+		t.Errorf("the oversized record is in the topic")
+	}
+	for _, id := range []string{"evt-1-1", "evt-1-2", "evt-1-3", "evt-2-1"} {
+		if _, bad := failed[id]; !bad && !stored[id] {
+			t.Errorf("%s was reported accepted but is not in the topic", id)
+		}
+	}
+	t.Logf("failed: %v; stored: %v", failed, stored)
 }
