@@ -354,3 +354,29 @@ func TestDispatcherKilledMidBatchIsReplacedWithoutLosingEvents(t *testing.T) {
 		}
 	}
 }
+
+func TestDispatcherRetriesABatchTheClusterDidNotAcknowledge(t *testing.T) {
+	t.Parallel()
+	db := outboxDB(t)
+	if err := outbox.Publish(db,
+		outbox.Event{ID: "a", Type: "t", AggregateType: "order", AggregateID: "1", Payload: 1},
+		outbox.Event{ID: "b", Type: "t", AggregateType: "order", AggregateID: "2", Payload: 2},
+	); err != nil {
+		t.Fatal(err)
+	}
+	p := newPublisher(t, newClient(t, []string{"127.0.0.1:1"}), toTopic("unreachable"))
+	d, err := outbox.NewDispatcher(db, p, outbox.WithPublishTimeout(500*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.DispatchOnce(context.Background()); err != nil {
+		t.Fatalf("DispatchOnce: %v", err)
+	}
+	var retry int64
+	if err := db.Raw(`SELECT count(*) FROM outbox_records WHERE delivery_state = 'retry' AND delivery_attempts = 1`).Scan(&retry).Error; err != nil {
+		t.Fatal(err)
+	}
+	if retry != 2 {
+		t.Errorf("%d of 2 rows are due for a retry after one attempt", retry)
+	}
+}

@@ -294,3 +294,67 @@ func TestDispatcherKilledMidBatchIsReplacedWithoutLosingEvents(t *testing.T) {
 		}
 	}
 }
+
+// states returns the delivery state and attempts of every row by event ID.
+func states(t *testing.T, db *gorm.DB) map[string]string {
+	t.Helper()
+	rows, err := db.Raw(`SELECT event_id, delivery_state, delivery_attempts FROM outbox_records`).Rows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	got := map[string]string{}
+	for rows.Next() {
+		var id, state string
+		var attempts int
+		if err := rows.Scan(&id, &state, &attempts); err != nil {
+			t.Fatal(err)
+		}
+		got[id] = fmt.Sprintf("%s/%d", state, attempts)
+	}
+	return got
+}
+
+func TestDispatcherSettlesAccordingToTheFault(t *testing.T) {
+	t.Parallel()
+	events := []outbox.Event{
+		{ID: "big", Type: "t", AggregateType: "order", AggregateID: "1", Payload: strings.Repeat("x", 2<<10)},
+		{ID: "after-big", Type: "t", AggregateType: "order", AggregateID: "1", Payload: 1},
+		{ID: "other", Type: "t", AggregateType: "order", AggregateID: "2", Payload: 2},
+	}
+	rdb := newRedis(t)
+	for _, tc := range []struct {
+		name string
+		pub  func(t *testing.T) *outboxredis.Publisher
+		want map[string]string // state/attempts
+	}{
+		{"oversized message dead-lettered alone", func(t *testing.T) *outboxredis.Publisher {
+			p := newPublisher(t, rdb, toStream(uniqueStream(t, rdb)))
+			p.LimitArgumentBytes(1 << 10)
+			return p
+		}, map[string]string{"big": "failed/1", "after-big": "pending/0", "other": "delivered/1"}},
+		{"unreachable server retried", func(t *testing.T) *outboxredis.Publisher {
+			down := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ContextTimeoutEnabled: true, MaxRetries: -1})
+			t.Cleanup(func() { down.Close() })
+			return newPublisher(t, down)
+		}, map[string]string{"big": "retry/1", "after-big": "retry/1", "other": "retry/1"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db, _ := outboxDB(t)
+			if err := outbox.Publish(db, events...); err != nil {
+				t.Fatal(err)
+			}
+			d, err := outbox.NewDispatcher(db, tc.pub(t), outbox.WithPublishTimeout(2*time.Second))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := d.DispatchOnce(context.Background()); err != nil {
+				t.Fatalf("DispatchOnce: %v", err)
+			}
+			if got := states(t, db); fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Errorf("rows = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
