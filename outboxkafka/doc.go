@@ -1,6 +1,18 @@
 // Package outboxkafka delivers outbox batches to Apache Kafka through a
 // franz-go client (github.com/twmb/franz-go/pkg/kgo).
 //
+// # Setup
+//
+//	cl, err := kgo.NewClient(kgo.SeedBrokers("kafka:9092")) // franz-go's default producer
+//	pub, err := outboxkafka.New(cl, outboxkafka.WithSource("https://shop.example/orders"))
+//	d, err := outbox.NewDispatcher(db, pub)
+//	go d.Run(ctx) // events of aggregate type "order" go to the topic "outbox.order"
+//	// consumers read CloudEvents (binary mode) and deduplicate on ce_id
+//
+// Every committed event reaches Kafka at least once, each aggregate's
+// events in sequence order within its partition, and no event of a
+// rolled-back transaction ever does.
+//
 // # The model
 //
 // A [Publisher] produces each message of a batch as one Kafka record: to

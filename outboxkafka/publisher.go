@@ -93,7 +93,7 @@ func WithTopic(fn func(outbox.Message) string) Option {
 // event. It must be a non-empty URI-reference, such as
 // "https://shop.example/orders" or "/orders".
 //
-// Default: cloudevent.DefaultSource, "gorm-outbox".
+// Default: "gorm-outbox".
 func WithSource(source string) Option {
 	return func(c *config) error {
 		if source == "" {

@@ -1,6 +1,18 @@
 // Package outboxredis delivers outbox batches to Redis Streams through a
 // go-redis client (github.com/redis/go-redis/v9).
 //
+// # Setup
+//
+//	rdb := redis.NewClient(&redis.Options{Addr: "redis:6379", ContextTimeoutEnabled: true})
+//	pub, err := outboxredis.New(rdb, outboxredis.WithSource("https://shop.example/orders"))
+//	d, err := outbox.NewDispatcher(db, pub)
+//	go d.Run(ctx) // events of aggregate type "order" go to the stream "outbox:order"
+//	// consumers XREADGROUP the stream and deduplicate on the id field (below Redis 8.6)
+//
+// Every committed event is appended at least once, each aggregate's events
+// in sequence order within its stream, and no event of a rolled-back
+// transaction ever is.
+//
 // # The model
 //
 // A [Publisher] appends each message of a batch as one stream entry with

@@ -96,7 +96,7 @@ func WithStream(fn func(outbox.Message) string) Option {
 // "https://shop.example/orders" or "/orders". On a server with idempotent
 // adds it is also the IDMP producer ID.
 //
-// Default: cloudevent.DefaultSource, "gorm-outbox".
+// Default: "gorm-outbox".
 func WithSource(source string) Option {
 	return func(c *config) error {
 		if source == "" {
