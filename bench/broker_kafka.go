@@ -25,9 +25,9 @@ import (
 // in-process kfake cluster, one broker, 8 partitions: no Kafka server can
 // run here), next to franz-go producing the same records asynchronously in
 // a loop (the broker's ceiling on this machine) and the raw-SQL loop with
-// a no-op publisher (the database's). Each drain gets a fresh cluster and
-// a fresh schema; the three run interleaved, c.repeat times, and each
-// figure is the median.
+// a no-op publisher (the database's), and the dispatcher into a no-op
+// publisher. Each drain gets a fresh cluster and a fresh schema; the four
+// run interleaved, c.repeat times, and each figure is the median.
 
 // brokerBacklog is the backlog of the broker scenarios: the dispatch
 // backlog, up to 50,000 events, so that the brokers' memory stays small.
@@ -63,8 +63,22 @@ func runKafka(ctx context.Context, e *env, c config, r *report) error {
 				return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDB(2) }, rawPostgres, 1, batch, n)
 			})
 		}},
+		outboxNoop(ctx, e, c, "kafka"),
 	}
 	return brokerTable(r, "kafka (kfake, in process)", n, c, g)
+}
+
+// outboxNoop is the broker scenarios' fourth drain: the same dispatcher
+// into a no-op publisher, which tells the publisher's share of the time
+// from the dispatcher's.
+func outboxNoop(ctx context.Context, e *env, c config, broker string) drainSpec {
+	n, batch := brokerBacklog(c), brokerBatch(c)
+	noop := outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil })
+	return drainSpec{"outbox, no-op publisher", fmt.Sprintf("1 dispatcher, batch %d", batch), "broker_" + broker + "_outbox_noop", func() (drainResult, error) {
+		return pgOutboxDrain(ctx, e, broker+"_noop", n, c.aggregates, func(ctx context.Context, s *schema) (drainResult, error) {
+			return drainOutboxInto(ctx, func() (*gorm.DB, error) { return s.gormDB(3) }, noop, batch, n)
+		})
+	}}
 }
 
 // withKafka runs fn against a fresh in-process cluster.
@@ -191,7 +205,8 @@ func drainOutboxInto(ctx context.Context, open func() (*gorm.DB, error), pub out
 
 // brokerTable runs a broker scenario's drains interleaved, c.repeat
 // times, and prints their medians with the outbox's ratio to the slower
-// of the broker's client and the raw loop (g is outbox, client, raw).
+// of the broker's client and the raw loop (g is outbox, client, raw, then
+// any others).
 func brokerTable(r *report, title string, n int, c config, g []drainSpec) error {
 	results, err := drainRepeated(g, c.repeat)
 	if err != nil {

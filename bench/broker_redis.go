@@ -19,9 +19,10 @@ import (
 // through one outbox dispatcher and outboxredis into a Redis stream (the
 // server at OUTBOX_REDIS_ADDR, default 127.0.0.1:6379), next to go-redis
 // adding the same entries in pipelines of the batch size in a loop (the
-// broker's ceiling on this machine) and the raw-SQL loop with a no-op
-// publisher. Each drain writes a fresh stream, deleted after it; the three
-// run interleaved, c.repeat times, and each figure is the median. Without
+// broker's ceiling on this machine), the raw-SQL loop with a no-op
+// publisher, and the dispatcher into a no-op publisher. Each drain writes a
+// fresh stream, deleted after it; the four run interleaved, c.repeat
+// times, and each figure is the median. Without
 // a server the scenario is skipped with a note, except under CI=true.
 
 func redisBenchAddr() string {
@@ -74,6 +75,7 @@ func runRedis(ctx context.Context, e *env, c config, r *report) error {
 				return drainRaw(ctx, func() (*sql.DB, error) { return s.sqlDB(2) }, rawPostgres, 1, batch, n)
 			})
 		}},
+		outboxNoop(ctx, e, c, "redis"),
 	}
 	return brokerTable(r, "redis streams ("+redisBenchAddr()+")", n, c, g)
 }
