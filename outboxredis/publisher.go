@@ -50,8 +50,8 @@ type Publisher struct {
 	source string
 	maxLen int64
 
-	mu       sync.Mutex
-	server   *serverInfo // nil until a Publish has asked the server
+	mu       sync.Mutex  // guards server
+	server   *serverInfo // nil until the server has answered
 	maxBytes int64       // a test's lower bound in place of the server's limit, or 0
 }
 
@@ -280,25 +280,55 @@ func (p *Publisher) xadd(m outbox.Message, info *serverInfo) (*redis.XAddArgs, e
 	return args, nil
 }
 
-// serverInfo asks the server, once, what it supports.
+// serverInfo asks the server what it supports, until it has answered
+// once; it returns by the end of ctx, whether or not the client honours
+// ctx's deadline.
 func (p *Publisher) serverInfo(ctx context.Context) (*serverInfo, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.server != nil {
-		return p.server, nil
+	known := p.server
+	p.mu.Unlock()
+	if known != nil {
+		return known, nil
 	}
+	type answer struct {
+		info *serverInfo
+		err  error
+	}
+	answered := make(chan answer, 1)
+	go func() {
+		info, err := p.askServer(ctx)
+		answered <- answer{info, err}
+	}()
+	select {
+	case a := <-answered:
+		if a.err != nil {
+			return nil, a.err
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.server == nil {
+			p.server = a.info
+		}
+		return p.server, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("outboxredis: publish: ask the server its version: %w", context.Cause(ctx))
+	}
+}
+
+// askServer reads the server's version, and its proto-max-bulk-len where
+// CONFIG is allowed (managed servers often disable it: the default holds
+// then).
+func (p *Publisher) askServer(ctx context.Context) (*serverInfo, error) {
 	text, err := p.rdb.Info(ctx, "server").Result()
 	if err != nil {
 		return nil, classify(fmt.Errorf("outboxredis: publish: ask the server its version: %w", err))
 	}
 	info := &serverInfo{idmp: supportsIDMP(text), maxBulkLen: defaultMaxBulkLen}
-	// CONFIG is often disabled on managed servers: keep the default then.
 	if cfg, err := p.rdb.ConfigGet(ctx, "proto-max-bulk-len").Result(); err == nil {
 		if n, err := strconv.ParseInt(cfg["proto-max-bulk-len"], 10, 64); err == nil && n > 0 {
 			info.maxBulkLen = n
 		}
 	}
-	p.server = info
 	return info, nil
 }
 

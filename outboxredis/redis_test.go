@@ -451,35 +451,61 @@ func (p *stallingProxy) replies(c, s net.Conn) {
 func TestContextExpiringMidBatchFailsMessagesWithoutReply(t *testing.T) {
 	t.Parallel()
 	rdb := newRedis(t)
-	stream := uniqueStream(t, rdb)
-	proxy := newStallingProxy(t)
-	via := redis.NewClient(&redis.Options{Addr: proxy.ln.Addr().String(), ContextTimeoutEnabled: true, MaxRetries: -1})
-	defer via.Close()
-	p := newPublisher(t, via, toStream(stream))
-	if err := publish(t, p, msg("0", 1)); err != nil { // the publisher has asked the server
-		t.Fatalf("warm-up Publish: %v", err)
+	for _, contextTimeout := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", contextTimeout), func(t *testing.T) {
+			t.Parallel()
+			stream := uniqueStream(t, rdb)
+			proxy := newStallingProxy(t)
+			via := redis.NewClient(&redis.Options{Addr: proxy.ln.Addr().String(), ContextTimeoutEnabled: contextTimeout, MaxRetries: -1})
+			defer via.Close()
+			p := newPublisher(t, via, toStream(stream))
+			if err := publish(t, p, msg("0", 1)); err != nil { // the publisher has asked the server
+				t.Fatalf("warm-up Publish: %v", err)
+			}
+			proxy.stalled.Store(true)
+			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			start := time.Now()
+			err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1), msg("1", 2), msg("2", 1)}})
+			if d := time.Since(start); d > time.Second {
+				t.Errorf("Publish took %v, past the 300ms deadline", d)
+			}
+			failed := failures(t, err)
+			for _, id := range []string{"evt-1-1", "evt-2-1"} {
+				if e := failed[id]; !errors.Is(e, context.DeadlineExceeded) || outbox.IsPermanent(e) {
+					t.Errorf("%s: %v, want retryable context.DeadlineExceeded", id, e)
+				}
+			}
+			if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
+				t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
+			}
+			// The server did add what it received: the documented duplicate
+			// that the retry of these messages makes.
+			if n := len(entries(t, rdb, stream)); n != 4 {
+				t.Errorf("stream holds %d entries, want 4: the server ran the commands whose replies were lost", n)
+			}
+		})
 	}
+}
+
+func TestContextExpiringBeforeTheServerFirstAnswersFailsTheBatch(t *testing.T) {
+	t.Parallel()
+	newRedis(t)
+	proxy := newStallingProxy(t)
 	proxy.stalled.Store(true)
+	via := redis.NewClient(&redis.Options{Addr: proxy.ln.Addr().String(), MaxRetries: -1})
+	defer via.Close()
+	p := newPublisher(t, via)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1), msg("1", 2), msg("2", 1)}})
+	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1)}})
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("Publish took %v, past the 300ms deadline", d)
 	}
-	failed := failures(t, err)
-	for _, id := range []string{"evt-1-1", "evt-2-1"} {
-		if e := failed[id]; !errors.Is(e, context.DeadlineExceeded) || outbox.IsPermanent(e) {
-			t.Errorf("%s: %v, want retryable context.DeadlineExceeded", id, e)
-		}
-	}
-	if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
-	}
-	// The server did add what it received: the documented duplicate that
-	// the retry of these messages makes.
-	if n := len(entries(t, rdb, stream)); n != 4 {
-		t.Errorf("stream holds %d entries, want 4: the server ran the commands whose replies were lost", n)
+	var pe *outbox.PartialError
+	if !errors.Is(err, context.DeadlineExceeded) || outbox.IsPermanent(err) || errors.As(err, &pe) {
+		t.Errorf("Publish = %v, want a retryable context.DeadlineExceeded for the whole batch", err)
 	}
 }
 
