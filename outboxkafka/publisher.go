@@ -111,10 +111,14 @@ func WithSource(source string) Option {
 // and stays the caller's to close (after the dispatcher has stopped).
 //
 // cl should be a producer as franz-go makes it by default: idempotent
-// writes, acks from all in-sync replicas, and no transactional ID. Its
-// ProducerBatchMaxBytes (1,000,012 bytes by default) bounds a record: keep
-// it at or below the topics' max.message.bytes. It fails with an error
-// wrapping [outbox.ErrInvalidOption] when cl or an option is invalid.
+// writes, acks from all in-sync replicas, and no transactional ID (New
+// refuses a transactional client). A client with idempotent writes
+// disabled keeps an aggregate's order only with
+// MaxProduceRequestsInflightPerBroker at its default of 1, and its own
+// retries may then write duplicates. The client's ProducerBatchMaxBytes
+// (1,000,012 bytes by default) bounds a record: keep it at or below the
+// topics' max.message.bytes. New fails with an error wrapping
+// [outbox.ErrInvalidOption] when cl or an option is invalid.
 func New(cl *kgo.Client, opts ...Option) (*Publisher, error) {
 	if cl == nil {
 		return nil, fmt.Errorf("%w: outboxkafka.New: nil *kgo.Client", outbox.ErrInvalidOption)
