@@ -9,9 +9,10 @@
 //	go d.Run(ctx) // events of aggregate type "order" go to the topic "outbox.order"
 //	// consumers read CloudEvents (binary mode) and deduplicate on ce_id
 //
-// Every committed event reaches Kafka at least once, each aggregate's
-// events in sequence order within its partition, and no event of a
-// rolled-back transaction ever does.
+// Every committed event reaches Kafka at least once and none of a
+// rolled-back transaction ever does; an aggregate's events arrive in its
+// partition in sequence order, save the early copy that a failure can
+// leave (see Batches and acknowledgements).
 //
 // # The model
 //

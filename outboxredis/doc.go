@@ -9,9 +9,10 @@
 //	go d.Run(ctx) // events of aggregate type "order" go to the stream "outbox:order"
 //	// consumers XREADGROUP the stream and deduplicate on the id field (below Redis 8.6)
 //
-// Every committed event is appended at least once, each aggregate's events
-// in sequence order within its stream, and no event of a rolled-back
-// transaction ever is.
+// Every committed event is appended at least once and none of a
+// rolled-back transaction ever is; an aggregate's events are appended to
+// its stream in sequence order, save the early copy that a failure can
+// leave (see Batches and replies).
 //
 // # The model
 //
