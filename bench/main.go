@@ -58,7 +58,7 @@ type config struct {
 // The scenario names -only accepts. "dispatch" selects all its parts; a
 // part name selects that part alone.
 var (
-	scenarioNames = []string{"write", "dispatch", "latency", "backlog", "nats", "amqp"}
+	scenarioNames = []string{"write", "dispatch", "latency", "backlog", "nats", "amqp", "kafka", "redis"}
 	dispatchParts = []string{"outbox", "raw", "river", "watermill", "sqlite"}
 )
 
@@ -282,6 +282,8 @@ func run(ctx context.Context, c config, out io.Writer) error {
 		{"backlog", runBacklog},
 		{"nats", runBrokerNATS},
 		{"amqp", runBrokerAMQP},
+		{"kafka", runKafka},
+		{"redis", runRedis},
 	}
 	for _, s := range steps {
 		if !c.want(s.name) && !(s.name == "dispatch" && anyDispatchPart(c)) {
