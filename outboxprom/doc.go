@@ -49,5 +49,7 @@
 // that frequent or concurrent scrapes cost one query per interval. When
 // Stats fails, the scrape reports the error for the two gauges (the
 // registry's handler decides whether the scrape fails); other metrics are
-// unaffected.
+// unaffected. The gauges count the whole table, whichever dispatcher is
+// watched: when several processes watch one table, aggregate them across
+// instances with max, not sum.
 package outboxprom
