@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -292,7 +293,7 @@ func instrument[T any](inst T, err error) func(fallback T) T {
 // Publish implements outbox.Publisher.
 func (w *publisher) Publish(ctx context.Context, b outbox.Batch) (err error) {
 	prop := propagator()
-	var links []trace.Link
+	links := make([]trace.Link, 0, len(b.Messages))
 	for _, m := range b.Messages {
 		if len(m.Headers) == 0 {
 			continue
@@ -348,10 +349,30 @@ func (w *publisher) record(ctx context.Context, b outbox.Batch, err error, start
 	w.duration.Record(ctx, now.Sub(start).Seconds())
 	w.batch.Record(ctx, int64(len(b.Messages)))
 	outcomes := telemetry.Classify(b, err)
+	// One Add per event type and outcome of the batch, not per message.
+	type tally struct {
+		opts *[telemetry.NumOutcomes]metric.AddOption
+		n    [telemetry.NumOutcomes]int64
+	}
+	var buf [16]tally
+	tallies := buf[:0]
 	for i, m := range b.Messages {
-		w.published.Add(ctx, 1, w.counters.Get(m.EventType)[outcomes[i]])
+		opts := w.counters.Get(m.EventType)
+		j := slices.IndexFunc(tallies, func(t tally) bool { return t.opts == opts })
+		if j < 0 {
+			j = len(tallies)
+			tallies = append(tallies, tally{opts: opts})
+		}
+		tallies[j].n[outcomes[i]]++
 		if outcomes[i] == telemetry.Accepted && !m.OccurredAt.IsZero() {
 			w.lag.Record(ctx, max(0, now.Sub(m.OccurredAt).Seconds()))
+		}
+	}
+	for _, t := range tallies {
+		for o, n := range t.n {
+			if n > 0 {
+				w.published.Add(ctx, n, t.opts[o])
+			}
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -193,10 +194,30 @@ func (m *Metrics) record(b outbox.Batch, err error, start time.Time) {
 	m.duration.Observe(now.Sub(start).Seconds())
 	m.batch.Observe(float64(len(b.Messages)))
 	outcomes := telemetry.Classify(b, err)
+	// One Add per event type and outcome of the batch, not per message.
+	type tally struct {
+		counters *[telemetry.NumOutcomes]prometheus.Counter
+		n        [telemetry.NumOutcomes]int
+	}
+	var buf [16]tally
+	tallies := buf[:0]
 	for i, msg := range b.Messages {
-		m.counters.Get(msg.EventType)[outcomes[i]].Inc()
+		cs := m.counters.Get(msg.EventType)
+		j := slices.IndexFunc(tallies, func(t tally) bool { return t.counters == cs })
+		if j < 0 {
+			j = len(tallies)
+			tallies = append(tallies, tally{counters: cs})
+		}
+		tallies[j].n[outcomes[i]]++
 		if outcomes[i] == telemetry.Accepted && !msg.OccurredAt.IsZero() {
 			m.lag.Observe(max(0, now.Sub(msg.OccurredAt).Seconds()))
+		}
+	}
+	for _, t := range tallies {
+		for o, n := range t.n {
+			if n > 0 {
+				t.counters[o].Add(float64(n))
+			}
 		}
 	}
 }
