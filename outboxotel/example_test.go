@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"gorm.io/driver/sqlite"
@@ -107,4 +109,42 @@ func ExampleWrap() {
 	// traceparent handed on: true
 	// send orders producer
 	// linked to the writer: true
+}
+
+func ExampleWatch() {
+	db, done := exampleDB()
+	defer done()
+
+	reader := sdkmetric.NewManualReader() // a periodic OTLP reader in a program
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	d, err := outbox.NewDispatcher(db, outboxotel.Wrap(outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil }),
+		outboxotel.WithMeterProvider(mp)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	reg, err := outboxotel.Watch(d, outboxotel.WithMeterProvider(mp))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer reg.Unregister()
+
+	if err := outbox.Publish(db, outbox.Event{Type: "order.placed", AggregateType: "order", AggregateID: "7"}); err != nil {
+		log.Fatal(err)
+	}
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		log.Fatal(err)
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == "outbox_messages" {
+				for _, dp := range g.DataPoints {
+					if state, _ := dp.Attributes.Value("state"); dp.Value > 0 {
+						fmt.Println(m.Name, state.AsString(), dp.Value)
+					}
+				}
+			}
+		}
+	}
+	// Output: outbox_messages pending 1
 }
