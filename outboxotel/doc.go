@@ -15,8 +15,9 @@
 // dispatcher works for no single request), linked to the stored trace
 // context of each message of the batch. The messages reach the wrapped
 // publisher with their headers unchanged, traceparent included, so that a
-// publisher that puts the headers on the wire (as the broker publishers
-// and outboxhttp do) lets the consumer continue the writer's trace.
+// publisher that puts the headers on the wire (outboxhttp sends them in
+// each message of the JSON body) lets the consumer continue the writer's
+// trace.
 //
 //	d, err := outbox.NewDispatcher(db, outboxotel.Wrap(publisher))
 //

@@ -30,18 +30,18 @@ const (
 	DefaultMessagingSystem = "outbox"
 	// DefaultMaxEventTypes is how many distinct event types get their own
 	// event_type attribute value (see [WithMaxEventTypes]).
-	DefaultMaxEventTypes = telemetry.DefaultMaxEventTypes
+	DefaultMaxEventTypes = 100
 	// DefaultStatsCacheFor is how long one reading of Stats serves the
 	// collections of [Watch]'s gauges (see [WithStatsCacheFor]).
-	DefaultStatsCacheFor = telemetry.DefaultStatsCacheFor
+	DefaultStatsCacheFor = 5 * time.Second
 	// DefaultStatsTimeout bounds one reading of Stats (see
 	// [WithStatsTimeout]).
-	DefaultStatsTimeout = telemetry.DefaultStatsTimeout
+	DefaultStatsTimeout = 5 * time.Second
 )
 
 // OtherEventType is the event_type value of the event types beyond the
 // bound of [WithMaxEventTypes].
-const OtherEventType = telemetry.Other
+const OtherEventType = "other"
 
 // Option configures [Wrap] and [Watch]; each uses the options that concern
 // it. An invalid value is an error wrapping [outbox.ErrInvalidOption] that

@@ -18,18 +18,18 @@ import (
 const (
 	// DefaultMaxEventTypes is how many distinct event types get their own
 	// event_type label (see [WithMaxEventTypes]).
-	DefaultMaxEventTypes = telemetry.DefaultMaxEventTypes
+	DefaultMaxEventTypes = 100
 	// DefaultStatsCacheFor is how long one reading of Stats serves scrapes
 	// (see [WithStatsCacheFor]).
-	DefaultStatsCacheFor = telemetry.DefaultStatsCacheFor
+	DefaultStatsCacheFor = 5 * time.Second
 	// DefaultStatsTimeout bounds one reading of Stats (see
 	// [WithStatsTimeout]).
-	DefaultStatsTimeout = telemetry.DefaultStatsTimeout
+	DefaultStatsTimeout = 5 * time.Second
 )
 
 // OtherEventType is the event_type label of the event types beyond the
 // bound of [WithMaxEventTypes].
-const OtherEventType = telemetry.Other
+const OtherEventType = "other"
 
 // ErrAlreadyWatching is returned by [Metrics.Watch] when the Metrics
 // watches a dispatcher already.

@@ -340,7 +340,7 @@ func TestEventTypesBeyondTheBoundAreCountedAsOther(t *testing.T) {
 	if err := p.Publish(context.Background(), outbox.Batch{ID: "b", Messages: msgs}); err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]float64{"t1/accepted": 2, "t2/accepted": 1, "other/accepted": 3}
+	want := map[string]float64{"t1/accepted": 2, "t2/accepted": 1, outboxprom.OtherEventType + "/accepted": 3}
 	if got := published(scrape(t, reg)); !equal(got, want) {
 		t.Fatalf("outbox_published_total = %v, want %v", got, want)
 	}

@@ -95,12 +95,9 @@ func errorOutcome(err error) Outcome {
 // publisher panicked (or ended its goroutine): the dispatcher retries it.
 var ErrPublisherDidNotReturn = errors.New("publisher did not return")
 
-// Other is the event type label of the event types beyond the bound.
+// Other is the event type label of the event types beyond the bound
+// (outboxprom.OtherEventType, outboxotel.OtherEventType).
 const Other = "other"
-
-// DefaultMaxEventTypes is how many distinct event types get a label of
-// their own unless an option says otherwise.
-const DefaultMaxEventTypes = 100
 
 // ByType keeps one T per event type label: the first Max distinct event
 // types seen get their own, every later one shares the T of [Other]. It is
@@ -143,12 +140,6 @@ func (b *ByType[T]) Get(eventType string) T {
 	}
 	return *b.other
 }
-
-// Stats defaults, shared by both packages.
-const (
-	DefaultStatsCacheFor = 5 * time.Second
-	DefaultStatsTimeout  = 5 * time.Second
-)
 
 // StatsCache reads a dispatcher's Stats at most once per interval: every
 // reading within the interval gets the last result, error included, so
