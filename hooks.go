@@ -337,7 +337,7 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 	}
 	now := time.Now()
 	encoded := make([]encodedEvent, len(events))
-	for i, ev := range events {
+	for i, ev := range p.withContextHeaders(ctx, events) {
 		if encoded[i], err = ev.encode(now); err != nil {
 			return false, err
 		}

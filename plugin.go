@@ -37,6 +37,8 @@ type OutboxPlugin struct {
 	notify bool
 	err    error // an invalid option, reported by Initialize
 
+	contextHeaders []contextHeadersFunc // WithContextHeaders
+
 	mu        sync.RWMutex
 	emitters  map[reflect.Type]func(model any, op Op) ([]Event, error)
 	wakers    map[*func()]struct{}
