@@ -28,6 +28,15 @@ type dialect interface {
 	// a row with its idempotency key exists; it reports whether it inserted.
 	// With notify, the engine is also asked to tell listeners at commit.
 	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error)
+	// insertedColumn is a RETURNING expression that is true for a row an
+	// upsert inserted and false for one it updated; empty where the
+	// engine has none, and the dialect then implements existingKeyReader.
+	insertedColumn() string
+	// errorAbortsTx reports whether a failed statement aborts its
+	// transaction (PostgreSQL), so that nothing of it can commit; where it
+	// does not, the plugin writes inside a savepoint in the caller's
+	// transaction and rolls back to it on failure.
+	errorAbortsTx() bool
 	// listen calls wake for every notification of t's channel until ctx
 	// ends or the connection fails; it returns errNoListen where the
 	// engine or driver has no notifications.
