@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"context"
 	"fmt"
 	"reflect"
 	"time"
@@ -231,6 +232,14 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 		}
 		return
 	}
+	if !st.own && db.Error != nil && st.returned != nil && len(st.returned.rows) > 0 {
+		// The caller's transaction holds rows whose events failed.
+		if d, err := dialectOf(db); err == nil {
+			if a, ok := d.(txAborter); ok {
+				_ = a.abortTx(stmt.Context, stmt.ConnPool) // it fails by design
+			}
+		}
+	}
 	if !completed {
 		if st.own {
 			db.Rollback()
@@ -248,6 +257,13 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 		db.Commit()
 	}
 	stmt.ConnPool = st.restore(db)
+}
+
+// txAborter is a dialect whose engine aborts a transaction after a failed
+// statement (errorAbortsTx), and that can do so on purpose.
+type txAborter interface {
+	// abortTx makes the transaction of conn refuse to commit.
+	abortTx(ctx context.Context, conn gorm.ConnPool) error
 }
 
 // restore returns the connection to put back on db's statement when its
