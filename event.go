@@ -25,7 +25,9 @@ const (
 // Event is a fact to record in the outbox, in the same transaction as the
 // business write it describes.
 //
-// Type, AggregateType and AggregateID are required. ID defaults to a fresh
+// Type, AggregateType and AggregateID are required; ID, Type,
+// AggregateType, AggregateID and IdempotencyKey may be at most 255
+// characters long ([MaxEventTypeLength] and the others). ID defaults to a fresh
 // UUIDv7, IdempotencyKey to ID and OccurredAt to the current time. Payload
 // is encoded with encoding/json; a json.RawMessage or []byte is stored as is
 // and must be valid JSON. A nil Payload is stored as JSON null.
@@ -45,9 +47,16 @@ type Event struct {
 }
 
 // Emitter is implemented by models that record events when they are
-// written. The plugin calls OutboxEvents after every create, update and
-// delete of the model, with the model's values as written, and records the
-// events it returns in the same transaction.
+// written. The plugin calls OutboxEvents once for every row that a create,
+// update or delete of the model inserted, updated or deleted, on a model
+// value filled from the row as the database stored it (as it was, for a
+// delete), and records the events it returns in the same transaction. A
+// statement's own model value is the one called where the row is one of
+// its rows (so fields that are not columns, associations say, are as the
+// caller set them, and the columns as stored); a row written by condition
+// gets a fresh model value. op is OpCreate for a row inserted, OpUpdate
+// for one updated (an upsert's update too), OpDelete for one deleted or
+// soft-deleted.
 //
 // OutboxEvents must be a pure function of the model: no I/O. An error it
 // returns fails the business write, and nothing is written. The method may

@@ -139,20 +139,26 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 	if r.upsert && r.keys == nil {
 		hr.shown--
 	}
-	if gormReturning {
-		if op == OpUpdate {
-			dest := stmt.Dest
-			stmt.Dest = stmt.ReflectValue.Addr().Interface()
-			gorm.Scan(hr, db, mode)
-			stmt.Dest = dest
-		} else {
-			gorm.Scan(hr, db, mode)
-		}
+	// GORM scans the columns it asked for into the models, as it would
+	// have (an update of a value that cannot be addressed would make it
+	// panic).
+	scanned := false
+	switch {
+	case !gormReturning:
+	case op != OpUpdate:
+		gorm.Scan(hr, db, mode)
+		scanned = true
+	case stmt.ReflectValue.CanAddr():
+		dest := stmt.Dest
+		stmt.Dest = stmt.ReflectValue.Addr().Interface()
+		gorm.Scan(hr, db, mode)
+		stmt.Dest = dest
+		scanned = true
 	}
 	if err := hr.drain(); err != nil {
 		return nil, err
 	}
-	if !gormReturning {
+	if !scanned {
 		db.RowsAffected = int64(len(r.rows))
 	}
 	if stmt.Result != nil {
