@@ -105,6 +105,9 @@ func TestWriteStatementCounts(t *testing.T) {
 		{"CreateInCallersTransaction", func(db *gorm.DB) error {
 			return db.Transaction(func(tx *gorm.DB) error { return tx.Create(&Order{Status: "a"}).Error })
 		}, map[outboxtest.Engine]counts{outboxtest.SQLite: {3, 7}, outboxtest.Postgres: {3, 4}}},
+		{"CreateInOutboxTransaction", func(db *gorm.DB) error {
+			return outbox.Transaction(db, func(tx *gorm.DB) error { return tx.Create(&Order{Status: "a"}).Error })
+		}, map[outboxtest.Engine]counts{outboxtest.SQLite: {3, 7}, outboxtest.Postgres: {3, 4}}},
 	}
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		_, info := outboxtest.Open(t, e, nil)
@@ -120,9 +123,11 @@ func TestWriteStatementCounts(t *testing.T) {
 			}
 			db, err := gorm.Open(dl, &gorm.Config{Logger: logger.Discard})
 			mustNil(t, err)
+			mustNil(t, db.Use(outbox.Plugin(outbox.WithNotify(false))))
 			if withPlugin {
-				mustNil(t, db.Use(outbox.Plugin(outbox.WithNotify(false))))
 				mustNil(t, outbox.AutoMigrate(db))
+			} else {
+				db = outbox.WithoutEvents(db).Session(&gorm.Session{})
 			}
 			mustNil(t, db.AutoMigrate(&Order{}))
 			mustNil(t, db.Exec(`DELETE FROM orders`).Error)
