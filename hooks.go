@@ -152,7 +152,7 @@ func (p *OutboxPlugin) before(db *gorm.DB) {
 		}
 		st.tx = txWritesOf(db, p)
 		if d, err := dialectOf(db); err == nil && !d.errorAbortsTx() && !db.DryRun {
-			if _, err := stmt.ConnPool.ExecContext(stmt.Context, "SAVEPOINT "+savepointName); err != nil {
+			if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "SAVEPOINT "+savepointName); err != nil {
 				_ = db.AddError(fmt.Errorf("outbox: savepoint: %w", err))
 				return
 			}
@@ -225,9 +225,9 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 	if st.savepoint {
 		st.savepoint = false
 		if !completed || db.Error != nil {
-			_, _ = stmt.ConnPool.ExecContext(stmt.Context, "ROLLBACK TO SAVEPOINT "+savepointName) // the statement's error is the one to report
+			_, _ = plainConn(stmt.ConnPool).ExecContext(stmt.Context, "ROLLBACK TO SAVEPOINT "+savepointName) // the statement's error is the one to report
 		}
-		if _, err := stmt.ConnPool.ExecContext(stmt.Context, "RELEASE SAVEPOINT "+savepointName); err != nil && completed {
+		if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "RELEASE SAVEPOINT "+savepointName); err != nil && completed {
 			_ = db.AddError(fmt.Errorf("outbox: release savepoint: %w", err))
 		}
 		return
@@ -236,7 +236,7 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 		// The caller's transaction holds rows whose events failed.
 		if d, err := dialectOf(db); err == nil {
 			if a, ok := d.(txAborter); ok {
-				_ = a.abortTx(stmt.Context, stmt.ConnPool) // it fails by design
+				_ = a.abortTx(stmt.Context, plainConn(stmt.ConnPool)) // it fails by design
 			}
 		}
 	}
@@ -257,6 +257,20 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 		db.Commit()
 	}
 	stmt.ConnPool = st.restore(db)
+}
+
+// plainConn returns conn without GORM's prepared-statement wrapper
+// (PrepareStmt), so that the plugin's own statements (event inserts,
+// savepoints) do not fill the caller's statement cache: the driver
+// prepares them as it does any statement.
+func plainConn(conn gorm.ConnPool) gorm.ConnPool {
+	switch c := conn.(type) {
+	case *gorm.PreparedStmtTX:
+		return c.Tx
+	case *gorm.PreparedStmtDB:
+		return c.ConnPool
+	}
+	return conn
 }
 
 // txAborter is a dialect whose engine aborts a transaction after a failed
@@ -348,7 +362,7 @@ func encodeAll(events []Event) ([]encodedEvent, error) {
 // was stored already). With guard (see record), a savepoint surrounds the
 // writes.
 func (p *OutboxPlugin) store(db *gorm.DB, d dialect, encoded []encodedEvent, notify, guard bool) (notified bool, err error) {
-	ctx, conn := db.Statement.Context, db.Statement.ConnPool
+	ctx, conn := db.Statement.Context, plainConn(db.Statement.ConnPool)
 	if guard && !d.errorAbortsTx() {
 		if _, err := conn.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
 			return false, fmt.Errorf("outbox: savepoint: %w", err)

@@ -237,7 +237,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 	if models == nil {
 		return refuse("the rows are not model values")
 	}
-	existing, err := kr.existingKeys(stmt.Context, stmt.ConnPool, stmt, r.keys, models)
+	existing, err := kr.existingKeys(stmt.Context, plainConn(stmt.ConnPool), stmt, r.keys, models)
 	if err != nil {
 		return fmt.Errorf("outbox: upsert of %s: read the existing rows: %w", stmt.Schema.Name, err)
 	}
