@@ -28,6 +28,12 @@ type dialect interface {
 	// a row with its idempotency key exists; it reports whether it inserted.
 	// With notify, the engine is also asked to tell listeners at commit.
 	insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error)
+	// returnsRows reports whether a statement of kind op can return the
+	// rows it wrote (RETURNING), which the plugin builds events from.
+	// Where it cannot (MySQL has no UPDATE ... RETURNING), a write of an
+	// emitting model of that kind is refused with ErrUnidentifiedRows
+	// before it runs.
+	returnsRows(op Op) bool
 	// insertedColumn is a RETURNING expression that is true for a row an
 	// upsert inserted and false for one it updated; empty where the
 	// engine has none, and the dialect then implements existingKeyReader.

@@ -94,6 +94,10 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 // run executes stmt's SQL with the plugin's RETURNING columns.
 func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 	stmt := db.Statement
+	if !d.returnsRows(op) {
+		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
+	}
 	r := &returned{op: op}
 	for _, f := range stmt.Schema.Fields {
 		if f.DBName != "" && f.Readable {

@@ -25,3 +25,6 @@ func (postgresDialect) abortTx(ctx context.Context, conn gorm.ConnPool) error {
 	_, err := conn.ExecContext(ctx, `DO $$BEGIN RAISE EXCEPTION 'outbox: a write on an emitting model failed; this transaction cannot commit'; END$$`)
 	return err
 }
+
+// returnsRows: INSERT, UPDATE and DELETE all take RETURNING.
+func (postgresDialect) returnsRows(Op) bool { return true }

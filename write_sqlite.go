@@ -25,3 +25,6 @@ func (d sqliteDialect) existingKeys(ctx context.Context, conn gorm.ConnPool, stm
 // errorAbortsTx is false: after a failed statement a SQLite transaction
 // goes on, and commits what came before the failure.
 func (sqliteDialect) errorAbortsTx() bool { return false }
+
+// returnsRows: INSERT, UPDATE and DELETE all take RETURNING.
+func (sqliteDialect) returnsRows(Op) bool { return true }
