@@ -410,3 +410,60 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 		})
 	}
 }
+
+// TestWritesRecordTheSameUnderEveryConfiguration: prepared statements and
+// SkipDefaultTransaction (where the plugin opens the transaction) change
+// nothing of what is recorded.
+func TestWritesRecordTheSameUnderEveryConfiguration(t *testing.T) {
+	for name, cfg := range map[string]*gorm.Config{
+		"PrepareStmt":            {PrepareStmt: true},
+		"SkipDefaultTransaction": {SkipDefaultTransaction: true},
+		"Both":                   {PrepareStmt: true, SkipDefaultTransaction: true},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, cfg)
+				mustNil(t, b.db.Create(&[]Order{{Status: "a", Total: 1}, {Status: "b", Total: 2}}).Error)
+				mustNil(t, b.db.Model(&Order{}).Where("total > ?", 1).Update("total", gorm.Expr("total * 10")).Error)
+				mustNil(t, b.db.Clauses(clause.OnConflict{UpdateAll: true}).Create(&[]Order{{ID: 1, Status: "up"}, {ID: 3, Status: "c"}}).Error)
+				mustNil(t, b.db.Delete(&[]Order{{ID: 2}, {ID: 99}}).Error)
+				want := []string{
+					`order.create order/1#1 {"ID":1,"Status":"a","Total":1}`,
+					`order.create order/2#1 {"ID":2,"Status":"b","Total":2}`,
+					`order.update order/2#2 {"ID":2,"Status":"b","Total":20}`,
+					`order.update order/1#2 {"ID":1,"Status":"up","Total":0}`,
+					`order.create order/3#1 {"ID":3,"Status":"c","Total":0}`,
+					`order.delete order/2#3 {"ID":2,"Status":"b","Total":20}`,
+				}
+				if got := styleEvents(t, b, 0); strings.Join(got, "\n") != strings.Join(want, "\n") {
+					t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+				}
+			})
+		})
+	}
+}
+
+// TestCallersReturningClauseStillFillsTheModel: GORM scans the columns a
+// caller asks for with clause.Returning into the model, as without the
+// plugin.
+func TestCallersReturningClauseStillFillsTheModel(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.Create(&Order{Status: "a", Total: 1}).Error)
+		o := Order{ID: 1}
+		mustNil(t, b.db.Model(&o).Clauses(clause.Returning{}).Update("total", gorm.Expr("total + 41")).Error)
+		if o.Total != 42 || o.Status != "a" {
+			t.Fatalf("model after UPDATE ... RETURNING: %+v, want Status a, Total 42", o)
+		}
+		var gone []Order
+		mustNil(t, b.db.Clauses(clause.Returning{Columns: []clause.Column{{Name: "status"}}}).Where("id = ?", 1).Delete(&gone).Error)
+		if len(gone) != 1 || gone[0].Status != "a" {
+			t.Fatalf("rows returned by DELETE ... RETURNING status: %+v", gone)
+		}
+		want := []string{`order.update order/1#2 {"ID":1,"Status":"a","Total":42}`, `order.delete order/1#3 {"ID":1,"Status":"a","Total":42}`}
+		if got := styleEvents(t, b, 1); fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("events %v, want %v", got, want)
+		}
+	})
+}
