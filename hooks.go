@@ -292,24 +292,19 @@ func (st *writeState) restore(db *gorm.DB) gorm.ConnPool {
 
 // eachModel calls fn with every model struct held by rv (a struct, or a
 // slice or array of structs or pointers to structs), always addressable.
-func eachModel(rv reflect.Value, fn func(reflect.Value) error) error {
+func eachModel(rv reflect.Value, fn func(reflect.Value)) {
 	switch rv.Kind() {
 	case reflect.Slice, reflect.Array:
 		for i := 0; i < rv.Len(); i++ {
-			if err := eachModel(reflect.Indirect(rv.Index(i)), fn); err != nil {
-				return err
-			}
+			eachModel(reflect.Indirect(rv.Index(i)), fn)
 		}
-		return nil
 	case reflect.Struct:
 		if !rv.CanAddr() {
 			cp := reflect.New(rv.Type()).Elem()
 			cp.Set(rv)
 			rv = cp
 		}
-		return fn(rv)
-	default:
-		return nil
+		fn(rv)
 	}
 }
 

@@ -437,11 +437,10 @@ func keyText(ctx context.Context, fields []*schema.Field, m reflect.Value) strin
 // of the model's type (a map, a model of another type).
 func modelsOf(stmt *gorm.Statement) []reflect.Value {
 	var out []reflect.Value
-	_ = eachModel(stmt.ReflectValue, func(m reflect.Value) error {
+	eachModel(stmt.ReflectValue, func(m reflect.Value) {
 		if m.Type() == stmt.Schema.ModelType {
 			out = append(out, m)
 		}
-		return nil
 	})
 	return out
 }

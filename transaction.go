@@ -66,13 +66,15 @@ func Transaction(db *gorm.DB, fc func(tx *gorm.DB) error, opts ...*sql.TxOptions
 // find its txWrites.
 const txWritesKey = "outbox:transaction"
 
-// txWrites is what a Transaction learns about the event writes in it. Its
+// txWrites is what the plugin learns about the event writes of a
+// transaction whose commit it sees: a Transaction's, a statement's own
+// (GORM's default one, or the one the plugin opens), Publish's own. Its
 // lock is never held while a statement runs: a write that waits in the
 // database must not keep the Transaction's other statements (or those of
 // a transaction that fc runs on another connection) from starting.
 type txWrites struct {
 	p     *OutboxPlugin
-	conn  gorm.ConnPool // the transaction's connection, set before fc runs
+	conn  gorm.ConnPool // a Transaction's connection, set before fc runs
 	ended atomic.Bool   // the transaction is over: its statements write as any others
 
 	mu       sync.Mutex
