@@ -109,7 +109,9 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 		if i > 0 {
 			extra.WriteString(", ")
 		}
-		stmt.QuoteTo(&extra, f.DBName)
+		// Qualified: an UPDATE ... FROM has the other table's columns in
+		// scope too.
+		stmt.QuoteTo(&extra, clause.Column{Table: stmt.Table, Name: f.DBName})
 	}
 	if op == OpCreate {
 		if err := p.prepareUpsert(db, d, r); err != nil {

@@ -220,6 +220,11 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 			mustNil(t, outbox.WithoutEvents(db).Create(&Order{Status: "new", Total: 2}).Error)
 			mustNil(t, db.Model(&Order{}).Where("status = ?", "new").Update("status", "w").Error)
 		}, []string{`order.update order/1#2 {"ID":1,"Status":"w","Total":1}`, `order.update order/2#1 {"ID":2,"Status":"w","Total":2}`}},
+		{"UpdateFrom", func(t *testing.T, db *gorm.DB) {
+			mustNil(t, db.Create(&Doc{Title: "new"}).Error)
+			mustNil(t, db.Model(&Order{}).Clauses(clause.From{Tables: []clause.Table{{Name: "docs"}}}).
+				Where("docs.title = orders.status").Update("total", gorm.Expr("docs.rev")).Error)
+		}, []string{`doc.create doc/1#1 {"ID":1,"Rev":7,"Title":"new"}`, `order.update order/1#2 {"ID":1,"Status":"new","Total":7}`}},
 		{"OnConflictDoNothingHit", func(t *testing.T, db *gorm.DB) {
 			o := Order{ID: 1, Status: "dup", Total: 9}
 			mustNil(t, db.Clauses(clause.OnConflict{DoNothing: true}).Create(&o).Error)
