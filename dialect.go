@@ -34,6 +34,21 @@ type dialect interface {
 	// timeArg encodes a timestamp argument so that the engine compares it
 	// correctly with stored timestamps.
 	timeArg(t time.Time) any
+	// returnsRows reports whether a statement of kind op can return the
+	// rows it wrote (RETURNING), which the plugin builds events from.
+	// Where it cannot (MySQL has no UPDATE ... RETURNING), a write of an
+	// emitting model of that kind is refused with ErrUnidentifiedRows
+	// before it runs.
+	returnsRows(op Op) bool
+	// insertedColumn is a RETURNING expression that is true for a row an
+	// upsert inserted and false for one it updated; empty where the
+	// engine has none, and the dialect then implements existingKeyReader.
+	insertedColumn() string
+	// errorAbortsTx reports whether a failed statement aborts its
+	// transaction (PostgreSQL), so that nothing of it can commit; where it
+	// does not, the plugin writes inside a savepoint in the caller's
+	// transaction and rolls back to it on failure.
+	errorAbortsTx() bool
 	// readTime is the expression that returns a timestamp column so that
 	// a value the driver cannot read fails to scan (scanTime) rather than
 	// reading as the zero time.
