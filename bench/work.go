@@ -30,8 +30,8 @@ import (
 //     drain's schema (pg_stat_user_tables), which no other session writes;
 //   - WAL bytes: how far pg_current_wal_insert_lsn() moved during the drain
 //     (what pg_stat_wal.wal_bytes sums, read without its flush delay). WAL
-//     is the whole server's, so other sessions on the machine add to it: a
-//     figure is the median of the drains, each measured on its own.
+//     is the whole server's, so other sessions on the machine add to it:
+//     each drain is measured on its own, and the table shows the least.
 //
 // The server's statistics are flushed by each backend when it exits, so a
 // sample waits until the schema's connections are closed.
@@ -157,7 +157,8 @@ func measureWork(ctx context.Context, s *schema, db *sql.DB, drain func() (drain
 
 // workRow formats the work of a figure's drains as a row of the work
 // table: each column is the median over the drains, each drain's figure
-// taken on its own.
+// taken on its own, except WAL bytes, the least over the drains: other
+// sessions only ever add WAL, so the least is the least disturbed.
 func workRow(system, config string, rs []drainResult) []string {
 	var ws []*serverWork
 	for _, r := range rs {
@@ -168,7 +169,7 @@ func workRow(system, config string, rs []drainResult) []string {
 	if len(ws) == 0 {
 		return []string{system, config, "-", "-", "-", "-", "-", "-", "-"}
 	}
-	col := func(per func(*serverWork) (float64, bool), format func(float64) string) string {
+	col := func(per func(*serverWork) (float64, bool), format func(float64) string, least bool) string {
 		var vs []float64
 		for _, w := range ws {
 			if v, ok := per(w); ok {
@@ -179,6 +180,9 @@ func workRow(system, config string, rs []drainResult) []string {
 			return "-"
 		}
 		slices.Sort(vs)
+		if least {
+			return format(vs[0])
+		}
 		return format(vs[(len(vs)-1)/2])
 	}
 	perBatch := func(n func(*serverWork) int64) func(*serverWork) (float64, bool) {
@@ -190,16 +194,16 @@ func workRow(system, config string, rs []drainResult) []string {
 		return func(w *serverWork) (float64, bool) { return float64(n(w)) / float64(w.events), true }
 	}
 	return []string{system, config,
-		col(func(w *serverWork) (float64, bool) { return float64(w.events), true }, func(v float64) string { return fmt.Sprintf("%.0f", v) }),
-		col(perBatch(func(w *serverWork) int64 { return int64(w.events) }), f1),
-		col(perBatch(func(w *serverWork) int64 { return w.statements }), f2),
-		col(perBatch(func(w *serverWork) int64 { return w.roundTrips }), f2),
-		col(perEvent(func(w *serverWork) int64 { return w.clientTx }), f4),
-		col(perEvent(func(w *serverWork) int64 { return w.serverTx }), f4),
-		col(perEvent(func(w *serverWork) int64 { return w.rows }), f2),
-		col(perEvent(func(w *serverWork) int64 { return w.walBytes }), f1)}
+		col(func(w *serverWork) (float64, bool) { return float64(w.events), true }, func(v float64) string { return fmt.Sprintf("%.0f", v) }, false),
+		col(perBatch(func(w *serverWork) int64 { return int64(w.events) }), f1, false),
+		col(perBatch(func(w *serverWork) int64 { return w.statements }), f2, false),
+		col(perBatch(func(w *serverWork) int64 { return w.roundTrips }), f2, false),
+		col(perEvent(func(w *serverWork) int64 { return w.clientTx }), f4, false),
+		col(perEvent(func(w *serverWork) int64 { return w.serverTx }), f4, false),
+		col(perEvent(func(w *serverWork) int64 { return w.rows }), f2, false),
+		col(perEvent(func(w *serverWork) int64 { return w.walBytes }), f1, true)}
 }
 
-var workHeader = []string{"system", "configuration", "events", "events/batch", "stmts/batch", "round trips/batch", "tx/event (client)", "tx/event (server)", "rows written/event", "WAL bytes/event"}
+var workHeader = []string{"system", "configuration", "events", "events/batch", "stmts/batch", "round trips/batch", "tx/event (client)", "tx/event (server)", "rows written/event", "WAL bytes/event (least)"}
 
 func f4(v float64) string { return fmt.Sprintf("%.4f", v) }
