@@ -66,9 +66,11 @@ type claimResult struct {
 	// more reports that the batch is full, so that due rows may remain:
 	// the dispatcher should claim again at once rather than wait.
 	more bool
-	// heldBack reports that the window held claimable rows back, which
-	// parking (parkBlocked) may release.
-	heldBack bool
+	// blocked reports that the window held claimable rows back behind an
+	// event that is not in flight, which parking (parkBlocked) may
+	// release. Rows held back behind another dispatcher's batch are not:
+	// it settles within the publish timeout.
+	blocked bool
 }
 
 // windowRow is a row of a claim's window, or a head.
@@ -88,7 +90,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
 	err := d.d.claimTx(ctx, d.db, func(q querier) error {
-		r.rows, r.heldBack = nil, false
+		r.rows, r.blocked = nil, false
 		ts := d.d.timeArg(now)
 		var win []windowRow
 		if !d.runsOnly {
@@ -97,12 +99,12 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 				return fmt.Errorf("window: %w", err)
 			}
 		}
-		ids, err := d.pickOldest(ctx, q, win)
+		ids, blocked, err := d.pickOldest(ctx, q, ts, win)
 		if err != nil {
 			return err
 		}
-		r.heldBack = len(ids) < len(win)
-		if (r.heldBack || d.runsOnly) && len(ids) < d.batchSize {
+		r.blocked = blocked
+		if (len(ids) < len(win) || d.runsOnly) && len(ids) < d.batchSize {
 			taken := make(map[int64]bool, len(ids))
 			for _, id := range ids {
 				taken[id] = true
@@ -152,12 +154,14 @@ func queryRows(ctx context.Context, q querier, query string, args ...any) ([]win
 }
 
 // pickOldest returns the ids of the window's rows that keep each
-// aggregate's order, in window order:
+// aggregate's order, in window order, and whether it held rows back behind
+// an event that is not in flight (one that waits for a retry or a
+// requeue, or whose lease has passed: parking's work):
 // per aggregate, the rows from its lowest sequence in the window on,
 // without a gap (a row missing from the window, because it is not
 // claimable or another claim holds it, ends the aggregate's rows),
 // provided the event before that lowest one is delivered or gone.
-func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow) ([]int64, error) {
+func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []windowRow) ([]int64, bool, error) {
 	first := make(map[aggregateKey]int64, len(win))
 	present := make(map[aggregateSeq]int, len(win)) // rows per event
 	var aggs []aggregateKey
@@ -176,14 +180,16 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 			ask = append(ask, aggregateSeq{k, f - 1})
 		}
 	}
+	blocked := false
 	if len(ask) > 0 {
-		undelivered, err := queryBools(ctx, q, len(ask), d.st.undelivered, d.d.eventList(ask)...)
+		states, err := queryStates(ctx, q, len(ask), d.st.undelivered, append([]any{now}, d.d.eventList(ask)...)...)
 		if err != nil {
-			return nil, fmt.Errorf("order check: %w", err)
+			return nil, false, fmt.Errorf("order check: %w", err)
 		}
-		for i, u := range undelivered {
-			if u {
+		for i, st := range states {
+			if st.Valid {
 				delete(first, ask[i].agg)
+				blocked = blocked || st.String != "flight"
 			}
 		}
 	}
@@ -206,7 +212,7 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 			present[e] = 0
 		}
 	}
-	return ids, nil
+	return ids, blocked, nil
 }
 
 // pickRuns returns the ids of up to room rows taken as runs, heads in
@@ -344,21 +350,21 @@ func queryIDs(ctx context.Context, q querier, query string, args ...any) (map[in
 	return out, res.Err()
 }
 
-// queryBools reads a one-column boolean result that must have exactly n
-// rows.
-func queryBools(ctx context.Context, q querier, n int, query string, args ...any) ([]bool, error) {
+// queryStates reads a one-column text result, NULL allowed, that must
+// have exactly n rows.
+func queryStates(ctx context.Context, q querier, n int, query string, args ...any) ([]sql.NullString, error) {
 	res, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err
 	}
 	defer res.Close()
-	out := make([]bool, 0, n)
+	out := make([]sql.NullString, 0, n)
 	for res.Next() {
-		var b bool
-		if err := res.Scan(&b); err != nil {
+		var st sql.NullString
+		if err := res.Scan(&st); err != nil {
 			return nil, err
 		}
-		out = append(out, b)
+		out = append(out, st)
 	}
 	if err := res.Err(); err != nil {
 		return nil, err

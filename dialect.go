@@ -106,8 +106,10 @@ type statements struct {
 	// (next_attempt_at, id), locked, skipping rows another claim holds.
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
 	window string
-	// undelivered (eventList): for each event, in the list's order,
-	// whether its row exists and is not delivered. Result: one bool a row.
+	// undelivered (now, eventList): for each event, in the list's order,
+	// NULL when its row is delivered or gone, 'flight' when it is leased
+	// (delivering, its lease not passed), 'waits' otherwise. Result: one
+	// text a row.
 	undelivered string
 	// heads (now, now, scan, now, now, limit): among the scan oldest
 	// claimable rows, those whose predecessor in their aggregate is

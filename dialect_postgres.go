@@ -78,11 +78,12 @@ ORDER BY next_attempt_at, id
 LIMIT $2
 FOR UPDATE SKIP LOCKED`,
 
-		undelivered: `SELECT EXISTS (
-	SELECT 1 FROM ` + r + ` p
+		undelivered: `SELECT (
+	SELECT CASE WHEN p.delivery_state = 'delivering' AND p.locked_until > $1 THEN 'flight' ELSE 'waits' END
+	FROM ` + r + ` p
 	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
 		AND p.delivery_state <> 'delivered')
-FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
+FROM unnest($2::text[], $3::text[], $4::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
 ORDER BY u.i`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (

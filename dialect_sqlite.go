@@ -79,11 +79,12 @@ WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <
 ORDER BY next_attempt_at, id
 LIMIT ?2`,
 
-		undelivered: `SELECT EXISTS (
-	SELECT 1 FROM ` + r + ` p
+		undelivered: `SELECT (
+	SELECT CASE WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight' ELSE 'waits' END
+	FROM ` + r + ` p
 	WHERE p.aggregate_type = json_extract(u.value, '$[0]') AND p.aggregate_id = json_extract(u.value, '$[1]')
 		AND p.aggregate_sequence = json_extract(u.value, '$[2]') AND p.delivery_state <> 'delivered')
-FROM json_each(?1) AS u
+FROM json_each(?2) AS u
 ORDER BY u.key`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (

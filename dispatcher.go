@@ -317,7 +317,7 @@ func (d *Dispatcher) Dispatch(ctx context.Context) (r DispatchResult, err error)
 	if err != nil {
 		return DispatchResult{}, err
 	}
-	if c.heldBack && len(c.rows) < d.batchSize {
+	if c.blocked && len(c.rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
 		defer func() {
 			if d.parkBlocked(context.WithoutCancel(ctx)) && err == nil {
