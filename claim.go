@@ -63,8 +63,10 @@ type claimed struct {
 type claimResult struct {
 	batchID string
 	rows    []claimed // oldest first
-	// more reports that the batch is full, so that due rows may remain:
-	// the dispatcher should claim again at once rather than wait.
+	// more reports that due rows may remain: the batch is full, or the
+	// claim took rows from a window that was full (the rows it held back
+	// there are other dispatchers' to settle, and more may be due behind
+	// them). The dispatcher then claims again at once rather than wait.
 	more bool
 	// blocked reports that the window held claimable rows back behind an
 	// event that is not in flight, which parking (parkBlocked) may
@@ -89,6 +91,7 @@ func scanWindow(n int) int { return max(4*n, 1000) }
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
+	windowFull := false
 	err := d.d.claimTx(ctx, d.db, func(q querier) error {
 		r.rows, r.blocked = nil, false
 		ts := d.d.timeArg(now)
@@ -103,7 +106,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 		if err != nil {
 			return err
 		}
-		r.blocked = blocked
+		r.blocked, windowFull = blocked, len(win) == d.batchSize
 		if (len(ids) < len(win) || d.runsOnly) && len(ids) < d.batchSize {
 			taken := make(map[int64]bool, len(ids))
 			for _, id := range ids {
@@ -130,7 +133,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 		return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 	}
 	sort.Slice(r.rows, func(i, j int) bool { return r.rows[i].id < r.rows[j].id })
-	r.more = len(r.rows) == d.batchSize
+	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && windowFull)
 	return r, nil
 }
 

@@ -107,9 +107,11 @@ type statements struct {
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
 	window string
 	// undelivered (now, eventList): for each event, in the list's order,
-	// NULL when its row is delivered or gone, 'flight' when it is leased
-	// (delivering, its lease not passed), 'waits' otherwise. Result: one
-	// text a row.
+	// NULL when its row is delivered or gone; 'flight' when it is leased
+	// (delivering, its lease not passed) or due no later than the event
+	// after it (so it came before that one in due order and another claim
+	// holds it); 'waits' otherwise: for a retry, a requeue, an expired
+	// lease, or a claim that reaches it. Result: one text a row.
 	undelivered string
 	// heads (now, now, scan, now, now, limit): among the scan oldest
 	// claimable rows, those whose predecessor in their aggregate is

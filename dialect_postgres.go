@@ -79,7 +79,13 @@ LIMIT $2
 FOR UPDATE SKIP LOCKED`,
 
 		undelivered: `SELECT (
-	SELECT CASE WHEN p.delivery_state = 'delivering' AND p.locked_until > $1 THEN 'flight' ELSE 'waits' END
+	SELECT CASE
+		WHEN p.delivery_state = 'delivering' AND p.locked_until > $1 THEN 'flight'
+		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $1 AND p.next_attempt_at <= (
+			SELECT n.next_attempt_at FROM ` + r + ` n
+			WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+				AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+		ELSE 'waits' END
 	FROM ` + r + ` p
 	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
 		AND p.delivery_state <> 'delivered')

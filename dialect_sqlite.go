@@ -80,10 +80,16 @@ ORDER BY next_attempt_at, id
 LIMIT ?2`,
 
 		undelivered: `SELECT (
-	SELECT CASE WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight' ELSE 'waits' END
+	SELECT CASE
+		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
+		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= ?1 AND p.next_attempt_at <= (
+			SELECT n.next_attempt_at FROM ` + r + ` n
+			WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+				AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+		ELSE 'waits' END
 	FROM ` + r + ` p
-	WHERE p.aggregate_type = json_extract(u.value, '$[0]') AND p.aggregate_id = json_extract(u.value, '$[1]')
-		AND p.aggregate_sequence = json_extract(u.value, '$[2]') AND p.delivery_state <> 'delivered')
+	WHERE p.aggregate_type = json_extract(u.value, '$[0]') AND p.aggregate_id = json_extract(u.value, '$[1]') AND p.aggregate_sequence = json_extract(u.value, '$[2]')
+		AND p.delivery_state <> 'delivered')
 FROM json_each(?2) AS u
 ORDER BY u.key`,
 
