@@ -87,54 +87,126 @@ type windowRow struct {
 // other dispatchers hold, and a bound on what a claim steps over.
 func scanWindow(n int) int { return max(4*n, 1000) }
 
-// claim leases up to the batch size of rows under a fresh batch id.
+// claim leases up to the batch size of rows under a fresh batch id. Where
+// the engine says the oldest-first part in one statement (PostgreSQL), it
+// runs that, and tops the batch up by runs in a transaction of its own
+// only when the window held rows back; elsewhere both parts run in one
+// transaction.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
-	windowFull := false
-	err := d.d.claimTx(ctx, d.db, func(q querier) error {
-		r.rows, r.blocked = nil, false
-		ts := d.d.timeArg(now)
-		var win []windowRow
-		if !d.runsOnly {
-			var err error
-			if win, err = queryRows(ctx, q, d.st.window, ts, d.batchSize); err != nil {
-				return fmt.Errorf("window: %w", err)
+	seen := 0
+	var err error
+	if d.st.claim != "" && !d.runsOnly {
+		seen, r.rows, r.blocked, err = d.claimOldest(ctx, now, r.batchID)
+		if err == nil && len(r.rows) < seen && len(r.rows) < d.batchSize {
+			taken := make(map[int64]bool, len(r.rows))
+			for _, row := range r.rows {
+				taken[row.id] = true
 			}
-		}
-		ids, blocked, err := d.pickOldest(ctx, q, ts, win)
-		if err != nil {
-			return err
-		}
-		r.blocked, windowFull = blocked, len(win) == d.batchSize
-		if (len(ids) < len(win) || d.runsOnly) && len(ids) < d.batchSize {
-			taken := make(map[int64]bool, len(ids))
-			for _, id := range ids {
-				taken[id] = true
-			}
-			runs, err := d.pickRuns(ctx, q, ts, taken, d.batchSize-len(ids))
-			if err != nil {
+			var runs []claimed
+			err = d.d.claimTx(ctx, d.db, func(q querier) error {
+				var err error
+				runs, _, err = d.claimSteps(ctx, q, now, r.batchID, nil, true, taken)
 				return err
+			})
+			r.rows = append(r.rows, runs...)
+		}
+	} else {
+		err = d.d.claimTx(ctx, d.db, func(q querier) error {
+			var win []windowRow
+			if !d.runsOnly {
+				var err error
+				if win, err = queryRows(ctx, q, d.st.window, d.d.timeArg(now), d.batchSize); err != nil {
+					return fmt.Errorf("window: %w", err)
+				}
 			}
-			ids = append(ids, runs...)
-		}
-		if len(ids) == 0 {
-			return nil
-		}
-		res, err := q.QueryContext(ctx, d.st.lease, r.batchID, d.d.timeArg(now.Add(d.lease)), ts, d.d.idList(ids))
-		if err != nil {
-			return fmt.Errorf("lease: %w", err)
-		}
-		defer res.Close()
-		r.rows, err = scanLeased(res, len(ids))
-		return err
-	})
+			seen = len(win)
+			var err error
+			r.rows, r.blocked, err = d.claimSteps(ctx, q, now, r.batchID, win, d.runsOnly, nil)
+			return err
+		})
+	}
 	if err != nil {
 		return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 	}
 	sort.Slice(r.rows, func(i, j int) bool { return r.rows[i].id < r.rows[j].id })
-	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && windowFull)
+	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && seen == d.batchSize)
 	return r, nil
+}
+// claimSteps leases, in q's transaction, what the window win allows
+// (pickOldest) and, when the window held rows back, or with runsOnly
+// (no window was read), runs up to the batch size, none of them in taken.
+// It reports whether the window held rows back behind a predecessor that
+// is not in flight.
+func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow, runsOnly bool, taken map[int64]bool) ([]claimed, bool, error) {
+	ts := d.d.timeArg(now)
+	ids, blocked, err := d.pickOldest(ctx, q, ts, win)
+	if err != nil {
+		return nil, false, err
+	}
+	if room := d.batchSize - len(ids) - len(taken); (runsOnly || len(ids) < len(win)) && room > 0 {
+		if taken == nil {
+			taken = make(map[int64]bool, len(ids))
+		}
+		for _, id := range ids {
+			taken[id] = true
+		}
+		runs, err := d.pickRuns(ctx, q, ts, taken, room)
+		if err != nil {
+			return nil, false, err
+		}
+		ids = append(ids, runs...)
+	}
+	if len(ids) == 0 {
+		return nil, blocked, nil
+	}
+	res, err := q.QueryContext(ctx, d.st.lease, batchID, d.d.timeArg(now.Add(d.lease)), ts, d.d.idList(ids))
+	if err != nil {
+		return nil, false, fmt.Errorf("lease: %w", err)
+	}
+	defer res.Close()
+	rows, err := scanLeased(res, len(ids))
+	return rows, blocked, err
+}
+
+// claimOldest runs the engine's one-statement oldest-first claim and
+// returns the window's size, the rows it leased, and whether it held rows
+// back behind a predecessor that is not in flight.
+func (d *Dispatcher) claimOldest(ctx context.Context, now time.Time, batchID string) (seen int, rows []claimed, blocked bool, err error) {
+	res, err := d.pool().QueryContext(ctx, d.st.claim, batchID, d.d.timeArg(now.Add(d.lease)), d.d.timeArg(now), d.batchSize)
+	if err != nil {
+		return 0, nil, false, err
+	}
+	defer res.Close()
+	for res.Next() {
+		var (
+			id      sql.NullInt64
+			r       claimed
+			payload []byte
+			headers sql.NullString
+			at      any
+			evID    sql.NullString
+			typ     sql.NullString
+			aggT    sql.NullString
+			aggID   sql.NullString
+			seq     sql.NullInt64
+			key     sql.NullString
+			tries   sql.NullInt64
+		)
+		if err := res.Scan(&seen, &blocked, &id, &evID, &typ, &aggT, &aggID, &seq, &key, &payload, &headers, &at, &tries); err != nil {
+			return 0, nil, false, fmt.Errorf("scan: %w", err)
+		}
+		if !id.Valid {
+			continue // the one row of a claim that leased nothing
+		}
+		r.id, r.attempts = id.Int64, int(tries.Int64)
+		r.msg = Message{EventID: evID.String, EventType: typ.String, AggregateType: aggT.String, AggregateID: aggID.String,
+			Sequence: seq.Int64, IdempotencyKey: key.String, Payload: payload, Attempt: r.attempts + 1}
+		r.bad = readMessage(&r.msg, headers, at)
+		rows = append(rows, r)
+	}
+	return seen, rows, blocked, res.Err()
 }
 
 // queryRows reads rows of id, aggregate_type, aggregate_id,
@@ -399,22 +471,31 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 		}
 		r.msg.Payload = payload
 		r.msg.Attempt = r.attempts + 1
-		var occurred scanTime
-		if err := occurred.Scan(at); err != nil {
-			r.bad = fmt.Errorf("occurred_at: %w", err)
-		}
-		r.msg.OccurredAt = occurred.Time
-		if headers.Valid {
-			if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
-				r.bad = fmt.Errorf("headers: %w", err)
-			}
-		}
-		if r.bad != nil {
-			r.bad = Permanent(fmt.Errorf("%w: event %s: %w", errUnreadable, r.msg.EventID, r.bad))
-		}
+		r.bad = readMessage(&r.msg, headers, at)
 		rows = append(rows, r)
 	}
 	return rows, res.Err()
+}
+
+// readMessage fills in m's occurrence time and headers from their stored
+// forms, and returns the permanent error a row that cannot be read is
+// dead-lettered with, or nil.
+func readMessage(m *Message, headers sql.NullString, at any) error {
+	var bad error
+	var occurred scanTime
+	if err := occurred.Scan(at); err != nil {
+		bad = fmt.Errorf("occurred_at: %w", err)
+	}
+	m.OccurredAt = occurred.Time
+	if headers.Valid {
+		if err := json.Unmarshal([]byte(headers.String), &m.Headers); err != nil {
+			bad = fmt.Errorf("headers: %w", err)
+		}
+	}
+	if bad != nil {
+		return Permanent(fmt.Errorf("%w: event %s: %w", errUnreadable, m.EventID, bad))
+	}
+	return nil
 }
 
 // errUnreadable is wrapped by the error that a row which cannot be read

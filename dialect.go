@@ -102,6 +102,14 @@ type statements struct {
 	// versions; recordVersion (version, name, applied at) adds one.
 	createVersions, versions, recordVersion string
 
+	// claim (batch id, lease end, now, limit): the oldest-first claim
+	// (window, order check and lease) in one statement, where the engine
+	// can say it in one. Result: the window's size, whether it held rows
+	// back behind a predecessor that is not in flight, then the lease's
+	// columns (NULL when it leased nothing); at least one row. Empty
+	// elsewhere: the claim then runs window, undelivered and lease in
+	// claimTx.
+	claim string
 	// window (now, now, limit): the oldest claimable rows, in due order
 	// (next_attempt_at, id), locked, skipping rows another claim holds.
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
