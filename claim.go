@@ -134,6 +134,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && seen == d.batchSize)
 	return r, nil
 }
+
 // claimSteps leases, in q's transaction, what the window win allows
 // (pickOldest) and, when the window held rows back, or with runsOnly
 // (no window was read), runs up to the batch size, none of them in taken.
