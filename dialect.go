@@ -110,7 +110,7 @@ type statements struct {
 	// elsewhere: the claim then runs window, undelivered and lease in
 	// claimTx.
 	claim string
-	// window (now, now, limit): the oldest claimable rows, in due order
+	// window (now, limit): the oldest claimable rows, in due order
 	// (next_attempt_at, id), locked, skipping rows another claim holds.
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
 	window string
@@ -121,7 +121,7 @@ type statements struct {
 	// holds it); 'waits' otherwise: for a retry, a requeue, an expired
 	// lease, or a claim that reaches it. Result: one text a row.
 	undelivered string
-	// heads (now, now, scan, now, now, limit): among the scan oldest
+	// heads (now, scan, limit): among the scan oldest
 	// claimable rows, those whose predecessor in their aggregate is
 	// delivered or gone (cleanup deletes only delivered rows), oldest
 	// first. Result: id, aggregate_type, aggregate_id, aggregate_sequence.
@@ -131,7 +131,7 @@ type statements struct {
 	// is claimable. Result: list position (from 1), id,
 	// aggregate_sequence, claimable.
 	runs string
-	// lock (ids, now, now): locks the listed rows that are still
+	// lock (now, ids): locks the listed rows that are still
 	// claimable, skipping rows another claim holds. Result: id. Empty
 	// where claimTx holds the whole database.
 	lock string
@@ -141,28 +141,28 @@ type statements struct {
 	// (readTime), delivery_attempts.
 	lease string
 
-	// settleDelivered (now, ids, batch id) marks delivered those of the
+	// settleDelivered (now, batch id, ids) marks delivered those of the
 	// listed rows that the batch still leases; settleOther (state,
 	// attempts, next attempt, last error or NULL to keep it, failure kind
-	// or NULL, now, ids, batch id) does the same for any other outcome.
+	// or NULL, now, batch id, ids) does the same for any other outcome.
 	settleDelivered, settleOther string
 
-	// blockers (now, scan, now, lease end): the heads of the aggregates
+	// blockers (now, scan, lease end): the heads of the aggregates
 	// seen among the scan oldest due rows that hold due rows of theirs
 	// back (parkBlocked). Result: aggregate_type, aggregate_id,
 	// aggregate_sequence, delivery_state, until.
 	blockers string
-	// park (until, now, type, id, seq, until, type, id, seq, state): moves
+	// park (until, now, type, id, seq, state): moves
 	// the due rows behind a blocker to until, if it is still in state.
 	park string
-	// unpark (now, now, now, eventList): makes the waiting rows of the
+	// unpark (now, eventList): makes the waiting rows of the
 	// listed aggregates due now.
 	unpark string
 
-	// revive (now, now, max revivals, limit): the retry_failed sweep: moves
+	// revive (now, max revivals, limit): the retry_failed sweep: moves
 	// failed rows that ran out of attempts and were revived fewer than max
-	// times back to pending, counting the revival. requeue (now, now,
-	// ids, types, failed before, limit): moves any failed rows the filter
+	// times back to pending, counting the revival. requeue (now, limit,
+	// failed before, ids, types): moves any failed rows the filter
 	// selects (a NULL list or time selects all). Both: oldest failure
 	// first; result: aggregate_type, aggregate_id.
 	revive, requeue string
@@ -171,7 +171,7 @@ type statements struct {
 	cleanup string
 
 	// counts: rows per delivery state. Result: delivery_state, count.
-	// oldestDue (now, now): the next_attempt_at of the longest-waiting
+	// oldestDue (now): the next_attempt_at of the longest-waiting
 	// claimable row, or NULL. lastFailure: the last_error of the most
 	// recently failed row.
 	counts, oldestDue, lastFailure string
