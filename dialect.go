@@ -89,8 +89,9 @@ type dialect interface {
 
 // statements are the complete statements of the delivery path and the
 // migrator on one engine and table. Each field says its arguments, in
-// order, and its result columns; "now" is a timeArg, lists are the
-// dialect's idList, textList and eventList.
+// order (numbered placeholders, so that one argument may serve twice),
+// and its result columns; "now" is a timeArg, lists are the dialect's
+// idList, textList and eventList.
 //
 // Claimable means: pending, retry or delivering, due (next_attempt_at has
 // come) and not leased (locked_until is empty or has passed). A claim
