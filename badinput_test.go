@@ -220,7 +220,7 @@ func TestUnreadableRowIsDeadLetteredAndHoldsBackOnlyItsAggregate(t *testing.T) {
 				if fmt.Sprint(got) != fmt.Sprint(want) {
 					t.Fatalf("states %v, want %v", got, want)
 				}
-				for _, batch := range rec.batchIDs() {
+				for _, batch := range rec.BatchIDs() {
 					for _, id := range batch {
 						if strings.HasPrefix(id, "x#") {
 							t.Errorf("%s was published", id)

@@ -63,12 +63,16 @@ type claimed struct {
 type claimResult struct {
 	batchID string
 	rows    []claimed // oldest first
-	// more reports that the batch is full, so that due rows may remain:
-	// the dispatcher should claim again at once rather than wait.
+	// more reports that due rows may remain: the batch is full, or the
+	// claim took rows from a window that was full (the rows it held back
+	// there are other dispatchers' to settle, and more may be due behind
+	// them). The dispatcher then claims again at once rather than wait.
 	more bool
-	// heldBack reports that the window held claimable rows back, which
-	// parking (parkBlocked) may release.
-	heldBack bool
+	// blocked reports that the window held claimable rows back behind an
+	// event that is not in flight, which parking (parkBlocked) may
+	// release. Rows held back behind another dispatcher's batch are not:
+	// it settles within the publish timeout.
+	blocked bool
 }
 
 // windowRow is a row of a claim's window, or a head.
@@ -83,53 +87,127 @@ type windowRow struct {
 // other dispatchers hold, and a bound on what a claim steps over.
 func scanWindow(n int) int { return max(4*n, 1000) }
 
-// claim leases up to the batch size of rows under a fresh batch id.
+// claim leases up to the batch size of rows under a fresh batch id. Where
+// the engine says the oldest-first part in one statement (PostgreSQL), it
+// runs that, and tops the batch up by runs in a transaction of its own
+// only when the window held rows back; elsewhere both parts run in one
+// transaction.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
-	err := d.d.claimTx(ctx, d.db, func(q querier) error {
-		r.rows, r.heldBack = nil, false
-		ts := d.d.timeArg(now)
-		var win []windowRow
-		if !d.runsOnly {
-			var err error
-			if win, err = queryRows(ctx, q, d.st.window, ts, d.batchSize); err != nil {
-				return fmt.Errorf("window: %w", err)
+	seen := 0
+	var err error
+	if d.st.claim != "" && !d.runsOnly {
+		seen, r.rows, r.blocked, err = d.claimOldest(ctx, now, r.batchID)
+		if err == nil && len(r.rows) < seen && len(r.rows) < d.batchSize {
+			taken := make(map[int64]bool, len(r.rows))
+			for _, row := range r.rows {
+				taken[row.id] = true
 			}
-		}
-		ids, err := d.pickOldest(ctx, q, win)
-		if err != nil {
-			return err
-		}
-		r.heldBack = len(ids) < len(win)
-		if (r.heldBack || d.runsOnly) && len(ids) < d.batchSize {
-			taken := make(map[int64]bool, len(ids))
-			for _, id := range ids {
-				taken[id] = true
-			}
-			runs, err := d.pickRuns(ctx, q, ts, taken, d.batchSize-len(ids))
-			if err != nil {
+			var runs []claimed
+			err = d.d.claimTx(ctx, d.db, func(q querier) error {
+				var err error
+				runs, _, err = d.claimSteps(ctx, q, now, r.batchID, nil, true, taken)
 				return err
+			})
+			r.rows = append(r.rows, runs...)
+		}
+	} else {
+		err = d.d.claimTx(ctx, d.db, func(q querier) error {
+			var win []windowRow
+			if !d.runsOnly {
+				var err error
+				if win, err = queryRows(ctx, q, d.st.window, d.d.timeArg(now), d.batchSize); err != nil {
+					return fmt.Errorf("window: %w", err)
+				}
 			}
-			ids = append(ids, runs...)
-		}
-		if len(ids) == 0 {
-			return nil
-		}
-		res, err := q.QueryContext(ctx, d.st.lease, r.batchID, d.d.timeArg(now.Add(d.lease)), ts, d.d.idList(ids))
-		if err != nil {
-			return fmt.Errorf("lease: %w", err)
-		}
-		defer res.Close()
-		r.rows, err = scanLeased(res, len(ids))
-		return err
-	})
+			seen = len(win)
+			var err error
+			r.rows, r.blocked, err = d.claimSteps(ctx, q, now, r.batchID, win, d.runsOnly, nil)
+			return err
+		})
+	}
 	if err != nil {
 		return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 	}
 	sort.Slice(r.rows, func(i, j int) bool { return r.rows[i].id < r.rows[j].id })
-	r.more = len(r.rows) == d.batchSize
+	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && seen == d.batchSize)
 	return r, nil
+}
+
+// claimSteps leases, in q's transaction, what the window win allows
+// (pickOldest) and, when the window held rows back, or with runsOnly
+// (no window was read), runs up to the batch size, none of them in taken.
+// It reports whether the window held rows back behind a predecessor that
+// is not in flight.
+func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow, runsOnly bool, taken map[int64]bool) ([]claimed, bool, error) {
+	ts := d.d.timeArg(now)
+	ids, blocked, err := d.pickOldest(ctx, q, ts, win)
+	if err != nil {
+		return nil, false, err
+	}
+	if room := d.batchSize - len(ids) - len(taken); (runsOnly || len(ids) < len(win)) && room > 0 {
+		if taken == nil {
+			taken = make(map[int64]bool, len(ids))
+		}
+		for _, id := range ids {
+			taken[id] = true
+		}
+		runs, err := d.pickRuns(ctx, q, ts, taken, room)
+		if err != nil {
+			return nil, false, err
+		}
+		ids = append(ids, runs...)
+	}
+	if len(ids) == 0 {
+		return nil, blocked, nil
+	}
+	res, err := q.QueryContext(ctx, d.st.lease, batchID, d.d.timeArg(now.Add(d.lease)), ts, d.d.idList(ids))
+	if err != nil {
+		return nil, false, fmt.Errorf("lease: %w", err)
+	}
+	defer res.Close()
+	rows, err := scanLeased(res, len(ids))
+	return rows, blocked, err
+}
+
+// claimOldest runs the engine's one-statement oldest-first claim and
+// returns the window's size, the rows it leased, and whether it held rows
+// back behind a predecessor that is not in flight.
+func (d *Dispatcher) claimOldest(ctx context.Context, now time.Time, batchID string) (seen int, rows []claimed, blocked bool, err error) {
+	res, err := d.pool().QueryContext(ctx, d.st.claim, batchID, d.d.timeArg(now.Add(d.lease)), d.d.timeArg(now), d.batchSize)
+	if err != nil {
+		return 0, nil, false, err
+	}
+	defer res.Close()
+	for res.Next() {
+		var (
+			id      sql.NullInt64
+			r       claimed
+			payload []byte
+			headers sql.NullString
+			at      any
+			evID    sql.NullString
+			typ     sql.NullString
+			aggT    sql.NullString
+			aggID   sql.NullString
+			seq     sql.NullInt64
+			key     sql.NullString
+			tries   sql.NullInt64
+		)
+		if err := res.Scan(&seen, &blocked, &id, &evID, &typ, &aggT, &aggID, &seq, &key, &payload, &headers, &at, &tries); err != nil {
+			return 0, nil, false, fmt.Errorf("scan: %w", err)
+		}
+		if !id.Valid {
+			continue // the one row of a claim that leased nothing
+		}
+		r.id, r.attempts = id.Int64, int(tries.Int64)
+		r.msg = Message{EventID: evID.String, EventType: typ.String, AggregateType: aggT.String, AggregateID: aggID.String,
+			Sequence: seq.Int64, IdempotencyKey: key.String, Payload: payload, Attempt: r.attempts + 1}
+		r.bad = readMessage(&r.msg, headers, at)
+		rows = append(rows, r)
+	}
+	return seen, rows, blocked, res.Err()
 }
 
 // queryRows reads rows of id, aggregate_type, aggregate_id,
@@ -152,12 +230,14 @@ func queryRows(ctx context.Context, q querier, query string, args ...any) ([]win
 }
 
 // pickOldest returns the ids of the window's rows that keep each
-// aggregate's order, in window order:
+// aggregate's order, in window order, and whether it held rows back behind
+// an event that is not in flight (one that waits for a retry or a
+// requeue, or whose lease has passed: parking's work):
 // per aggregate, the rows from its lowest sequence in the window on,
 // without a gap (a row missing from the window, because it is not
 // claimable or another claim holds it, ends the aggregate's rows),
 // provided the event before that lowest one is delivered or gone.
-func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow) ([]int64, error) {
+func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []windowRow) ([]int64, bool, error) {
 	first := make(map[aggregateKey]int64, len(win))
 	present := make(map[aggregateSeq]int, len(win)) // rows per event
 	var aggs []aggregateKey
@@ -176,14 +256,16 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 			ask = append(ask, aggregateSeq{k, f - 1})
 		}
 	}
+	blocked := false
 	if len(ask) > 0 {
-		undelivered, err := queryBools(ctx, q, len(ask), d.st.undelivered, d.d.eventList(ask)...)
+		states, err := queryStates(ctx, q, len(ask), d.st.undelivered, append([]any{now}, d.d.eventList(ask)...)...)
 		if err != nil {
-			return nil, fmt.Errorf("order check: %w", err)
+			return nil, false, fmt.Errorf("order check: %w", err)
 		}
-		for i, u := range undelivered {
-			if u {
+		for i, st := range states {
+			if st.Valid {
 				delete(first, ask[i].agg)
+				blocked = blocked || st.String != "flight"
 			}
 		}
 	}
@@ -206,7 +288,7 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, win []windowRow)
 			present[e] = 0
 		}
 	}
-	return ids, nil
+	return ids, blocked, nil
 }
 
 // pickRuns returns the ids of up to room rows taken as runs, heads in
@@ -344,21 +426,21 @@ func queryIDs(ctx context.Context, q querier, query string, args ...any) (map[in
 	return out, res.Err()
 }
 
-// queryBools reads a one-column boolean result that must have exactly n
-// rows.
-func queryBools(ctx context.Context, q querier, n int, query string, args ...any) ([]bool, error) {
+// queryStates reads a one-column text result, NULL allowed, that must
+// have exactly n rows.
+func queryStates(ctx context.Context, q querier, n int, query string, args ...any) ([]sql.NullString, error) {
 	res, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err
 	}
 	defer res.Close()
-	out := make([]bool, 0, n)
+	out := make([]sql.NullString, 0, n)
 	for res.Next() {
-		var b bool
-		if err := res.Scan(&b); err != nil {
+		var st sql.NullString
+		if err := res.Scan(&st); err != nil {
 			return nil, err
 		}
-		out = append(out, b)
+		out = append(out, st)
 	}
 	if err := res.Err(); err != nil {
 		return nil, err
@@ -390,22 +472,31 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 		}
 		r.msg.Payload = payload
 		r.msg.Attempt = r.attempts + 1
-		var occurred scanTime
-		if err := occurred.Scan(at); err != nil {
-			r.bad = fmt.Errorf("occurred_at: %w", err)
-		}
-		r.msg.OccurredAt = occurred.Time
-		if headers.Valid {
-			if err := json.Unmarshal([]byte(headers.String), &r.msg.Headers); err != nil {
-				r.bad = fmt.Errorf("headers: %w", err)
-			}
-		}
-		if r.bad != nil {
-			r.bad = Permanent(fmt.Errorf("%w: event %s: %w", errUnreadable, r.msg.EventID, r.bad))
-		}
+		r.bad = readMessage(&r.msg, headers, at)
 		rows = append(rows, r)
 	}
 	return rows, res.Err()
+}
+
+// readMessage fills in m's occurrence time and headers from their stored
+// forms, and returns the permanent error a row that cannot be read is
+// dead-lettered with, or nil.
+func readMessage(m *Message, headers sql.NullString, at any) error {
+	var bad error
+	var occurred scanTime
+	if err := occurred.Scan(at); err != nil {
+		bad = fmt.Errorf("occurred_at: %w", err)
+	}
+	m.OccurredAt = occurred.Time
+	if headers.Valid {
+		if err := json.Unmarshal([]byte(headers.String), &m.Headers); err != nil {
+			bad = fmt.Errorf("headers: %w", err)
+		}
+	}
+	if bad != nil {
+		return Permanent(fmt.Errorf("%w: event %s: %w", errUnreadable, m.EventID, bad))
+	}
+	return nil
 }
 
 // errUnreadable is wrapped by the error that a row which cannot be read

@@ -13,21 +13,6 @@ import (
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
 
-// batchIDs lists each batch the recorder saw as aggregate#sequence.
-func (r *recorder) batchIDs() [][]string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out [][]string
-	for _, b := range r.batches {
-		var ids []string
-		for _, m := range b.Messages {
-			ids = append(ids, fmt.Sprintf("%s#%d", m.AggregateID, m.Sequence))
-		}
-		out = append(out, ids)
-	}
-	return out
-}
-
 // publishInterleaved publishes n events to each aggregate, taking turns:
 // a#1 b#1 a#2 b#2 ...
 func publishInterleaved(t *testing.T, db *gorm.DB, n int, aggregates ...string) {
@@ -55,7 +40,7 @@ func holdFirstBatch(t *testing.T, db *gorm.DB, batch int) (held *recorder, relea
 	t.Helper()
 	inFlight, let := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	held = &recorder{next: func(outbox.Batch) error {
+	held = &recorder{Next: func(outbox.Batch) error {
 		once.Do(func() { close(inFlight) })
 		<-let
 		return nil
@@ -85,7 +70,7 @@ func twoClaims(t *testing.T, db *gorm.DB, byRuns bool, opts ...outbox.Dispatcher
 	}
 	dispatch(t, d)
 	dispatch(t, d)
-	return fmt.Sprint(rec.batchIDs())
+	return fmt.Sprint(rec.BatchIDs())
 }
 
 func TestClaimBatchesByEngineAndMode(t *testing.T) {
@@ -172,7 +157,7 @@ func TestClaimPassesByTheAggregatesAnotherDispatcherHolds(t *testing.T) {
 		dispatch(t, second)
 		dispatch(t, second)
 		release()
-		if got := fmt.Sprint(held.batchIDs(), rec.batchIDs()); got != "[[a#1 a#2]] [[b#1 b#2]]" {
+		if got := fmt.Sprint(held.BatchIDs(), rec.BatchIDs()); got != "[[a#1 a#2]] [[b#1 b#2]]" {
 			t.Fatalf("first and second dispatcher published %s; want a#1 a#2, and b's run", got)
 		}
 	})
@@ -206,7 +191,7 @@ func TestClaimLooksUpTheEventsBeforeThoseOfManyAggregates(t *testing.T) {
 		if n := dispatch(t, d); n != aggregates-len(held) {
 			t.Fatalf("delivered %d events, want the %d whose event before was delivered", n, aggregates-len(held))
 		}
-		for _, batch := range rec.batchIDs() {
+		for _, batch := range rec.BatchIDs() {
 			for _, id := range batch {
 				for _, h := range held {
 					if id == h+"#2" {

@@ -141,13 +141,13 @@ func TestRowLeasedUntilTheFutureIsNeverClaimed(t *testing.T) {
 			}
 			dispatch(t, d)
 		}
-		if got := rec.acceptedIDs(); len(got) != 1 || got[0] != "agg/b#1" {
+		if got := rec.AcceptedIDs(); len(got) != 1 || got[0] != "agg/b#1" {
 			t.Fatalf("accepted %v, want b's event only", got)
 		}
 		// Once the lease has passed, the row is claimed again.
 		mustNil(t, b.db.Exec(`UPDATE outbox_records SET locked_until = ? WHERE aggregate_id = 'a'`, time.Now().Add(-time.Second).UTC()).Error)
 		dispatch(t, newDispatcher(t, b.db, rec))
-		if got := rec.acceptedIDs(); len(got) != 2 || got[1] != "agg/a#1" {
+		if got := rec.AcceptedIDs(); len(got) != 2 || got[1] != "agg/a#1" {
 			t.Fatalf("accepted %v, want a's event after its lease", got)
 		}
 	})

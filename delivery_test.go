@@ -14,6 +14,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/deliveries"
 )
 
 func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
@@ -22,7 +23,7 @@ func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
 		publishN(t, b.db, "a", 3)
 		publishN(t, b.db, "b", 2)
 		failA1 := true
-		rec := &recorder{next: func(batch outbox.Batch) error {
+		rec := &recorder{Next: func(batch outbox.Batch) error {
 			failed := map[string]error{}
 			for _, m := range batch.Messages {
 				switch {
@@ -41,7 +42,7 @@ func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
 		zero := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
 		d := newDispatcher(t, b.db, rec, outbox.WithRetryPolicy(zero), outbox.WithPollInterval(time.Millisecond))
 		dispatch(t, d)
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/b#1 agg/b#2]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/b#1 agg/b#2]" {
 			t.Fatalf("accepted %s, want b's events only", got)
 		}
 		// a#1 is due again at once (zero backoff); a#2 and a#3 were not
@@ -52,7 +53,7 @@ func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 			dispatch(t, d)
 		}
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/b#1 agg/b#2 agg/a#1 agg/a#2 agg/a#3]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/b#1 agg/b#2 agg/a#1 agg/a#2 agg/a#3]" {
 			t.Fatalf("accepted %s, want a's events in order after b's", got)
 		}
 		r := b.records(t)[1]
@@ -69,7 +70,7 @@ func TestMessageAcceptedAfterAFailedOneIsDeliveredAgainAfterIt(t *testing.T) {
 		first := true
 		// Against the Publisher contract, the first batch accepts a#2 after
 		// a#1 failed.
-		rec := &recorder{next: func(batch outbox.Batch) error {
+		rec := &recorder{Next: func(batch outbox.Batch) error {
 			if !first {
 				return nil
 			}
@@ -91,7 +92,7 @@ func TestMessageAcceptedAfterAFailedOneIsDeliveredAgainAfterIt(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 			dispatch(t, d)
 		}
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/a#2 agg/a#1 agg/a#2 agg/a#3]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/a#2 agg/a#1 agg/a#2 agg/a#3]" {
 			t.Fatalf("accepted %s, want a#2 again after a#1, then a#3", got)
 		}
 		if s := fmt.Sprint(states(t, b)); s != "[delivered delivered delivered]" {
@@ -109,7 +110,7 @@ func TestRetryingPredecessorHoldsBackDueSuccessor(t *testing.T) {
 		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1, next_attempt_at = ? WHERE aggregate_sequence = 1`, later).Error)
 		rec := &recorder{}
 		d := newDispatcher(t, b.db, rec)
-		if n := dispatch(t, d); n != 0 || len(rec.batches) != 0 {
+		if n := dispatch(t, d); n != 0 || len(rec.Batches()) != 0 {
 			t.Fatalf("a#2 was published while a#1 waits for its retry")
 		}
 		r := b.records(t)[1]
@@ -136,7 +137,7 @@ func TestRowsBehindAWaitingHeadAreParkedUntilItCanMove(t *testing.T) {
 		rec := &recorder{}
 		d := newDispatcher(t, b.db, rec, outbox.WithLease(lease))
 		dispatch(t, d) // takes free#1 only: a batch that is not full parks
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/free#1]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/free#1]" {
 			t.Fatalf("accepted %s, want the free aggregate only", got)
 		}
 
@@ -172,7 +173,7 @@ func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
 		publishN(t, b.db, "poison", 1)
 		publishN(t, b.db, "ok", 1)
 		poisoned := true
-		rec := &recorder{next: func(batch outbox.Batch) error {
+		rec := &recorder{Next: func(batch outbox.Batch) error {
 			failed := map[string]error{}
 			for _, m := range batch.Messages {
 				switch {
@@ -190,7 +191,7 @@ func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
 		d := newDispatcher(t, b.db, rec, outbox.WithLease(time.Hour))
 		dispatch(t, d)
 		dispatch(t, d)
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/ok#1]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/ok#1]" {
 			t.Fatalf("accepted %s, want the other aggregate only", got)
 		}
 		if s := fmt.Sprint(states(t, b)); s != "[failed pending delivered]" {
@@ -207,7 +208,7 @@ func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
 		}
 		mustNil(t, b.db.Exec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_id = 'poison'`, time.Now().Add(-time.Second).UTC()).Error)
 		dispatch(t, d)
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/ok#1 agg/poison#1 agg/poison#2]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/ok#1 agg/poison#1 agg/poison#2]" {
 			t.Fatalf("accepted %s, want the poison aggregate in order after the requeue", got)
 		}
 	})
@@ -289,11 +290,11 @@ func TestUncommittedEventIsNeverClaimed(t *testing.T) {
 			impatient = newDispatcher(t, db, rec)
 		}
 		n, _ := impatient.DispatchOnce(context.Background())
-		if n != 0 || len(rec.batches) != 0 {
+		if n != 0 || len(rec.Batches()) != 0 {
 			t.Fatalf("an uncommitted event was published")
 		}
 		mustNil(t, tx.Rollback().Error)
-		if n := dispatch(t, d); n != 0 || len(rec.batches) != 0 {
+		if n := dispatch(t, d); n != 0 || len(rec.Batches()) != 0 {
 			t.Fatalf("a rolled-back event was published")
 		}
 		mustNil(t, b.db.Create(&Order{Status: "committed"}).Error)
@@ -326,7 +327,7 @@ func TestLateSettleDoesNotOverwriteNewerClaim(t *testing.T) {
 		close(release)
 		mustNil(t, <-done)
 		r := b.records(t)[0]
-		if r.DeliveryState != "delivered" || r.BatchID.String != rec.batches[0].ID || r.LastError.Valid {
+		if r.DeliveryState != "delivered" || r.BatchID.String != rec.Batches()[0].ID || r.LastError.Valid {
 			t.Fatalf("row %s (batch %s, error %q): the late settle overwrote the newer claim", r.DeliveryState, r.BatchID.String, r.LastError.String)
 		}
 	})
@@ -426,7 +427,7 @@ func TestConcurrentDispatchersDeliverEachEventOnceInOrder(t *testing.T) {
 		}
 		var (
 			mu       sync.Mutex
-			accepted = map[string][]int64{}
+			order    deliveries.OrderChecker
 			calls    int
 			inFlight = map[string]bool{}
 		)
@@ -454,12 +455,8 @@ func TestConcurrentDispatchersDeliverEachEventOnceInOrder(t *testing.T) {
 					stopped[m.AggregateID] = true
 					continue
 				}
-				seqs := accepted[m.AggregateID]
-				if want := int64(len(seqs) + 1); m.Sequence > want {
-					t.Errorf("aggregate %s: sequence %d accepted before %d", m.AggregateID, m.Sequence, want)
-				}
-				if int64(len(seqs)) < m.Sequence {
-					accepted[m.AggregateID] = append(seqs, m.Sequence)
+				if err := order.Accept(m); err != nil {
+					t.Error(err)
 				}
 			}
 			if len(failed) > 0 {
@@ -492,9 +489,9 @@ func TestConcurrentDispatchersDeliverEachEventOnceInOrder(t *testing.T) {
 		}
 		wg.Wait()
 		var aggs []string
-		for a, seqs := range accepted {
-			if len(seqs) != perAggregate {
-				t.Errorf("aggregate %s: %d of %d events accepted", a, len(seqs), perAggregate)
+		for a, n := range order.Accepted() {
+			if n != perAggregate {
+				t.Errorf("aggregate %s: %d of %d events accepted", a, n, perAggregate)
 			}
 			aggs = append(aggs, a)
 		}

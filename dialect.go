@@ -34,6 +34,21 @@ type dialect interface {
 	// timeArg encodes a timestamp argument so that the engine compares it
 	// correctly with stored timestamps.
 	timeArg(t time.Time) any
+	// returnsRows reports whether a statement of kind op can return the
+	// rows it wrote (RETURNING), which the plugin builds events from.
+	// Where it cannot (MySQL has no UPDATE ... RETURNING), a write of an
+	// emitting model of that kind is refused with ErrUnidentifiedRows
+	// before it runs.
+	returnsRows(op Op) bool
+	// insertedColumn is a RETURNING expression that is true for a row an
+	// upsert inserted and false for one it updated; empty where the
+	// engine has none, and the dialect then implements existingKeyReader.
+	insertedColumn() string
+	// errorAbortsTx reports whether a failed statement aborts its
+	// transaction (PostgreSQL), so that nothing of it can commit; where it
+	// does not, the plugin writes inside a savepoint in the caller's
+	// transaction and rolls back to it on failure.
+	errorAbortsTx() bool
 	// readTime is the expression that returns a timestamp column so that
 	// a value the driver cannot read fails to scan (scanTime) rather than
 	// reading as the zero time.
@@ -74,8 +89,9 @@ type dialect interface {
 
 // statements are the complete statements of the delivery path and the
 // migrator on one engine and table. Each field says its arguments, in
-// order, and its result columns; "now" is a timeArg, lists are the
-// dialect's idList, textList and eventList.
+// order (numbered placeholders, so that one argument may serve twice),
+// and its result columns; "now" is a timeArg, lists are the dialect's
+// idList, textList and eventList.
 //
 // Claimable means: pending, retry or delivering, due (next_attempt_at has
 // come) and not leased (locked_until is empty or has passed). A claim
@@ -87,14 +103,26 @@ type statements struct {
 	// versions; recordVersion (version, name, applied at) adds one.
 	createVersions, versions, recordVersion string
 
-	// window (now, now, limit): the oldest claimable rows, in due order
+	// claim (batch id, lease end, now, limit): the oldest-first claim
+	// (window, order check and lease) in one statement, where the engine
+	// can say it in one. Result: the window's size, whether it held rows
+	// back behind a predecessor that is not in flight, then the lease's
+	// columns (NULL when it leased nothing); at least one row. Empty
+	// elsewhere: the claim then runs window, undelivered and lease in
+	// claimTx.
+	claim string
+	// window (now, limit): the oldest claimable rows, in due order
 	// (next_attempt_at, id), locked, skipping rows another claim holds.
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
 	window string
-	// undelivered (eventList): for each event, in the list's order,
-	// whether its row exists and is not delivered. Result: one bool a row.
+	// undelivered (now, eventList): for each event, in the list's order,
+	// NULL when its row is delivered or gone; 'flight' when it is leased
+	// (delivering, its lease not passed) or due no later than the event
+	// after it (so it came before that one in due order and another claim
+	// holds it); 'waits' otherwise: for a retry, a requeue, an expired
+	// lease, or a claim that reaches it. Result: one text a row.
 	undelivered string
-	// heads (now, now, scan, now, now, limit): among the scan oldest
+	// heads (now, scan, limit): among the scan oldest
 	// claimable rows, those whose predecessor in their aggregate is
 	// delivered or gone (cleanup deletes only delivered rows), oldest
 	// first. Result: id, aggregate_type, aggregate_id, aggregate_sequence.
@@ -104,7 +132,7 @@ type statements struct {
 	// is claimable. Result: list position (from 1), id,
 	// aggregate_sequence, claimable.
 	runs string
-	// lock (ids, now, now): locks the listed rows that are still
+	// lock (now, ids): locks the listed rows that are still
 	// claimable, skipping rows another claim holds. Result: id. Empty
 	// where claimTx holds the whole database.
 	lock string
@@ -114,28 +142,28 @@ type statements struct {
 	// (readTime), delivery_attempts.
 	lease string
 
-	// settleDelivered (now, ids, batch id) marks delivered those of the
+	// settleDelivered (now, batch id, ids) marks delivered those of the
 	// listed rows that the batch still leases; settleOther (state,
 	// attempts, next attempt, last error or NULL to keep it, failure kind
-	// or NULL, now, ids, batch id) does the same for any other outcome.
+	// or NULL, now, batch id, ids) does the same for any other outcome.
 	settleDelivered, settleOther string
 
-	// blockers (now, scan, now, lease end): the heads of the aggregates
+	// blockers (now, scan, lease end): the heads of the aggregates
 	// seen among the scan oldest due rows that hold due rows of theirs
 	// back (parkBlocked). Result: aggregate_type, aggregate_id,
 	// aggregate_sequence, delivery_state, until.
 	blockers string
-	// park (until, now, type, id, seq, until, type, id, seq, state): moves
+	// park (until, now, type, id, seq, state): moves
 	// the due rows behind a blocker to until, if it is still in state.
 	park string
-	// unpark (now, now, now, eventList): makes the waiting rows of the
+	// unpark (now, eventList): makes the waiting rows of the
 	// listed aggregates due now.
 	unpark string
 
-	// revive (now, now, max revivals, limit): the retry_failed sweep: moves
+	// revive (now, max revivals, limit): the retry_failed sweep: moves
 	// failed rows that ran out of attempts and were revived fewer than max
-	// times back to pending, counting the revival. requeue (now, now,
-	// ids, types, failed before, limit): moves any failed rows the filter
+	// times back to pending, counting the revival. requeue (now, limit,
+	// failed before, ids, types): moves any failed rows the filter
 	// selects (a NULL list or time selects all). Both: oldest failure
 	// first; result: aggregate_type, aggregate_id.
 	revive, requeue string
@@ -144,7 +172,7 @@ type statements struct {
 	cleanup string
 
 	// counts: rows per delivery state. Result: delivery_state, count.
-	// oldestDue (now, now): the next_attempt_at of the longest-waiting
+	// oldestDue (now): the next_attempt_at of the longest-waiting
 	// claimable row, or NULL. lastFailure: the last_error of the most
 	// recently failed row.
 	counts, oldestDue, lastFailure string
@@ -165,7 +193,7 @@ func dialectOf(db *gorm.DB) (dialect, error) {
 	case "sqlite":
 		return sqliteDialect{}, nil
 	case "mysql":
-		return mysqlDialect{}, nil
+		return mysqlFlavour(db), nil
 	default:
 		return nil, fmt.Errorf("outbox: unsupported database %q (PostgreSQL, MySQL and SQLite are supported)", name)
 	}

@@ -13,7 +13,9 @@ import (
 
 // mysqlDialect is MySQL 8.0+ and MariaDB 10.6+ through gorm.io/driver/mysql
 // (github.com/go-sql-driver/mysql), tested on MariaDB.
-type mysqlDialect struct{}
+type mysqlDialect struct {
+	mariadb bool // the server is MariaDB (write_mysql.go)
+}
 
 // timeArg: DATETIME(6) keeps microseconds, and MySQL rounds finer digits
 // while MariaDB truncates them; truncated here, a stored time is the same

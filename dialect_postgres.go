@@ -78,11 +78,67 @@ ORDER BY next_attempt_at, id
 LIMIT $2
 FOR UPDATE SKIP LOCKED`,
 
-		undelivered: `SELECT EXISTS (
-	SELECT 1 FROM ` + r + ` p
+		// claim is the oldest-first claim in one statement, so in one
+		// implicit transaction and one round trip: the window (w), locked
+		// as it is read; per aggregate its lowest sequence there and the
+		// state of the event before it (s: NULL when delivered or gone, as
+		// in undelivered); of the aggregates whose predecessor is NULL,
+		// the window's rows whose offset from that lowest sequence equals
+		// their rank in sequence order, which is exactly the run without a
+		// gap or a repeat (pick); and the lease of those. It always
+		// returns at least one row: the window's size and whether a
+		// predecessor waits (not in flight), then each leased row's
+		// columns, NULL when it leased none.
+		claim: `WITH w AS MATERIALIZED (
+	SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $3
+		AND (locked_until IS NULL OR locked_until <= $3)
+	ORDER BY next_attempt_at, id
+	LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), s AS MATERIALIZED (
+	SELECT f.aggregate_type, f.aggregate_id, f.first, CASE WHEN f.first = 1 THEN NULL ELSE (
+		SELECT CASE
+			WHEN p.delivery_state = 'delivering' AND p.locked_until > $3 THEN 'flight'
+			WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $3 AND p.next_attempt_at <= (
+				SELECT n.next_attempt_at FROM ` + r + ` n
+				WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+					AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+			ELSE 'waits' END
+		FROM ` + r + ` p
+		WHERE p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
+			AND p.aggregate_sequence = f.first - 1 AND p.delivery_state <> 'delivered') END AS pred
+	FROM (SELECT aggregate_type, aggregate_id, min(aggregate_sequence) AS first FROM w GROUP BY aggregate_type, aggregate_id) f
+), pick AS (
+	SELECT x.id FROM (
+		SELECT w.id, w.aggregate_sequence - s.first AS off,
+			row_number() OVER (PARTITION BY w.aggregate_type, w.aggregate_id ORDER BY w.aggregate_sequence) - 1 AS rank
+		FROM w JOIN s ON s.aggregate_type = w.aggregate_type AND s.aggregate_id = w.aggregate_id
+		WHERE s.pred IS NULL
+	) x
+	WHERE x.off = x.rank
+), leased AS (
+	UPDATE ` + r + ` SET
+		delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
+	WHERE id IN (SELECT id FROM pick) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+	RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+		idempotency_key, payload, headers, occurred_at, delivery_attempts
+)
+SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s), false), leased.*
+FROM (SELECT 1) one LEFT JOIN leased ON true`,
+
+		undelivered: `SELECT (
+	SELECT CASE
+		WHEN p.delivery_state = 'delivering' AND p.locked_until > $1 THEN 'flight'
+		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $1 AND p.next_attempt_at <= (
+			SELECT n.next_attempt_at FROM ` + r + ` n
+			WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+				AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+		ELSE 'waits' END
+	FROM ` + r + ` p
 	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
 		AND p.delivery_state <> 'delivered')
-FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
+FROM unnest($2::text[], $3::text[], $4::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
 ORDER BY u.i`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
@@ -151,6 +207,7 @@ WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
 			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > $1 OR hs < ws) THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= $1 AND hs < ws THEN 'delivering'
 		END FROM ` + r + ` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS state

@@ -79,11 +79,18 @@ WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <
 ORDER BY next_attempt_at, id
 LIMIT ?2`,
 
-		undelivered: `SELECT EXISTS (
-	SELECT 1 FROM ` + r + ` p
-	WHERE p.aggregate_type = json_extract(u.value, '$[0]') AND p.aggregate_id = json_extract(u.value, '$[1]')
-		AND p.aggregate_sequence = json_extract(u.value, '$[2]') AND p.delivery_state <> 'delivered')
-FROM json_each(?1) AS u
+		undelivered: `SELECT (
+	SELECT CASE
+		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
+		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= ?1 AND p.next_attempt_at <= (
+			SELECT n.next_attempt_at FROM ` + r + ` n
+			WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+				AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+		ELSE 'waits' END
+	FROM ` + r + ` p
+	WHERE p.aggregate_type = json_extract(u.value, '$[0]') AND p.aggregate_id = json_extract(u.value, '$[1]') AND p.aggregate_sequence = json_extract(u.value, '$[2]')
+		AND p.delivery_state <> 'delivered')
+FROM json_each(?2) AS u
 ORDER BY u.key`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
@@ -141,6 +148,7 @@ WHERE id IN (SELECT value FROM json_each(?8)) AND batch_id = ?7 AND delivery_sta
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
 			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > ?1 OR hs < ws) THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= ?1 AND hs < ws THEN 'delivering'
 		END FROM ` + r + ` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS state

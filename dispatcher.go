@@ -298,9 +298,10 @@ type DispatchResult struct {
 	// how many of them were accepted and marked delivered.
 	Claimed, Delivered int
 	// More reports that due rows may remain that this round had no room
-	// for (its batch was full), or that parking released rows that held
-	// its claim back: a drain loop calls Dispatch again at once while More
-	// is true, and otherwise waits for a wake-up or its poll interval.
+	// for (its batch was full, or it took rows from a window of due rows
+	// that was full), or that parking released rows that held its claim
+	// back: a drain loop calls Dispatch again at once while More is true,
+	// and otherwise waits for a wake-up or its poll interval.
 	More bool
 }
 
@@ -317,7 +318,7 @@ func (d *Dispatcher) Dispatch(ctx context.Context) (r DispatchResult, err error)
 	if err != nil {
 		return DispatchResult{}, err
 	}
-	if c.heldBack && len(c.rows) < d.batchSize {
+	if c.blocked && len(c.rows) < d.batchSize {
 		// After the settle, so that a batch it holds is never stranded.
 		defer func() {
 			if d.parkBlocked(context.WithoutCancel(ctx)) && err == nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -12,43 +11,11 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/deliveries"
 )
 
-// recorder is a publisher that remembers what it accepted and answers with
-// whatever its next func returns.
-type recorder struct {
-	mu       sync.Mutex
-	accepted []outbox.Message
-	batches  []outbox.Batch
-	next     func(b outbox.Batch) error
-}
-
-func (r *recorder) Publish(_ context.Context, b outbox.Batch) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.batches = append(r.batches, b)
-	var err error
-	if r.next != nil {
-		err = r.next(b)
-	}
-	var partial *outbox.PartialError
-	for _, m := range b.Messages {
-		if err == nil || (errors.As(err, &partial) && partial.Failed[m.EventID] == nil) {
-			r.accepted = append(r.accepted, m)
-		}
-	}
-	return err
-}
-
-func (r *recorder) acceptedIDs() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var ids []string
-	for _, m := range r.accepted {
-		ids = append(ids, fmt.Sprintf("%s/%s#%d", m.AggregateType, m.AggregateID, m.Sequence))
-	}
-	return ids
-}
+// recorder is the suite's recording publisher.
+type recorder = deliveries.Recorder
 
 func newDispatcher(t *testing.T, db *gorm.DB, p outbox.Publisher, opts ...outbox.DispatcherOption) *outbox.Dispatcher {
 	t.Helper()
@@ -94,20 +61,20 @@ func TestDispatchDeliversAndSettles(t *testing.T) {
 		if n := dispatch(t, d); n != 2 {
 			t.Fatalf("delivered %d, want 2", n)
 		}
-		if len(rec.batches) != 1 || len(rec.batches[0].Messages) != 2 || rec.batches[0].ID == "" {
-			t.Fatalf("batches %+v, want one batch of 2 with an id", rec.batches)
+		if len(rec.Batches()) != 1 || len(rec.Batches()[0].Messages) != 2 || rec.Batches()[0].ID == "" {
+			t.Fatalf("batches %+v, want one batch of 2 with an id", rec.Batches())
 		}
-		m := rec.batches[0].Messages
+		m := rec.Batches()[0].Messages
 		if m[0].EventType != "order.create" || m[0].Sequence != 1 || m[1].Sequence != 2 || m[0].Attempt != 1 || m[1].Headers["h"] != "v" {
 			t.Fatalf("messages %+v", m)
 		}
 		assertJSON(t, string(m[0].Payload), `{"ID":1,"Status":"new","Total":3}`)
 		for _, r := range b.records(t) {
-			if r.DeliveryState != "delivered" || !r.DeliveredAt.Valid || r.BatchID.String != rec.batches[0].ID || r.DeliveryAttempts != 1 || r.LockedUntil.Valid {
+			if r.DeliveryState != "delivered" || !r.DeliveredAt.Valid || r.BatchID.String != rec.Batches()[0].ID || r.DeliveryAttempts != 1 || r.LockedUntil.Valid {
 				t.Fatalf("row after delivery: %+v", r)
 			}
 		}
-		if n := dispatch(t, d); n != 0 || len(rec.batches) != 1 {
+		if n := dispatch(t, d); n != 0 || len(rec.Batches()) != 1 {
 			t.Fatalf("a delivered row was dispatched again")
 		}
 	})
@@ -117,7 +84,7 @@ func TestFailedPublishSchedulesRetryWithBackoff(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
-		rec := &recorder{next: func(outbox.Batch) error { return errors.New("broker down") }}
+		rec := &recorder{Next: func(outbox.Batch) error { return errors.New("broker down") }}
 		d := newDispatcher(t, b.db, rec)
 		before := time.Now()
 		if n := dispatch(t, d); n != 0 {
@@ -131,7 +98,7 @@ func TestFailedPublishSchedulesRetryWithBackoff(t *testing.T) {
 		if wait < 47*time.Second || wait > 73*time.Second {
 			t.Fatalf("next attempt in %v, want one minute ±20%%", wait)
 		}
-		if n := dispatch(t, d); n != 0 || len(rec.batches) != 1 {
+		if n := dispatch(t, d); n != 0 || len(rec.Batches()) != 1 {
 			t.Fatalf("a row was retried before its time")
 		}
 	})
@@ -141,7 +108,7 @@ func TestPermanentErrorDeadLetters(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 2)
-		d := newDispatcher(t, b.db, &recorder{next: func(outbox.Batch) error { return outbox.Permanent(errors.New("schema rejected")) }})
+		d := newDispatcher(t, b.db, &recorder{Next: func(outbox.Batch) error { return outbox.Permanent(errors.New("schema rejected")) }})
 		dispatch(t, d)
 		if s := fmt.Sprint(states(t, b)); s != "[failed failed]" {
 			t.Fatalf("states %s, want both failed", s)
@@ -154,16 +121,16 @@ func TestMaxAttemptsDeadLetters(t *testing.T) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		now := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
-		rec := &recorder{next: func(outbox.Batch) error { return errors.New("nope") }}
+		rec := &recorder{Next: func(outbox.Batch) error { return errors.New("nope") }}
 		d := newDispatcher(t, b.db, rec, outbox.WithMaxAttempts(3), outbox.WithRetryPolicy(now))
 		for range 5 {
 			dispatch(t, d)
 		}
 		r := b.records(t)[0]
-		if len(rec.batches) != 3 || r.DeliveryState != "failed" || r.DeliveryAttempts != 3 {
-			t.Fatalf("%d attempts, row %s after %d; want 3 attempts then failed", len(rec.batches), r.DeliveryState, r.DeliveryAttempts)
+		if len(rec.Batches()) != 3 || r.DeliveryState != "failed" || r.DeliveryAttempts != 3 {
+			t.Fatalf("%d attempts, row %s after %d; want 3 attempts then failed", len(rec.Batches()), r.DeliveryState, r.DeliveryAttempts)
 		}
-		if got := []int{rec.batches[0].Messages[0].Attempt, rec.batches[2].Messages[0].Attempt}; got[0] != 1 || got[1] != 3 {
+		if got := []int{rec.Batches()[0].Messages[0].Attempt, rec.Batches()[2].Messages[0].Attempt}; got[0] != 1 || got[1] != 3 {
 			t.Fatalf("Attempt numbers %v, want 1 then 3", got)
 		}
 	})
@@ -175,7 +142,7 @@ func TestPartialBatchSettlesEachMessage(t *testing.T) {
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 1)
 		publishN(t, b.db, "c", 2)
-		rec := &recorder{next: func(b outbox.Batch) error {
+		rec := &recorder{Next: func(b outbox.Batch) error {
 			return &outbox.PartialError{Failed: map[string]error{
 				b.Messages[1].EventID: errors.New("b failed"),
 				b.Messages[2].EventID: outbox.Permanent(errors.New("c poison")),
@@ -208,7 +175,7 @@ func TestExpiredLeaseIsReclaimed(t *testing.T) {
 		if n := dispatch(t, newDispatcher(t, b.db, rec)); n != 1 {
 			t.Fatalf("delivered %d, want 1", n)
 		}
-		if got := fmt.Sprint(rec.acceptedIDs()); got != "[agg/a#1]" {
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/a#1]" {
 			t.Fatalf("accepted %s, want only the expired lease's row", got)
 		}
 	})
@@ -226,7 +193,7 @@ func TestRetryWaitsAtLeastWhatThePublisherAsks(t *testing.T) {
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 1)
 		publishN(t, b.db, "c", 1)
-		d := newDispatcher(t, b.db, &recorder{next: func(outbox.Batch) error {
+		d := newDispatcher(t, b.db, &recorder{Next: func(outbox.Batch) error {
 			return fmt.Errorf("gateway: %w", delayError{time.Hour})
 		}})
 		before := time.Now()
@@ -248,7 +215,7 @@ func TestStatsCountsRowsByState(t *testing.T) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 2)
-		d := newDispatcher(t, b.db, &recorder{next: func(batch outbox.Batch) error {
+		d := newDispatcher(t, b.db, &recorder{Next: func(batch outbox.Batch) error {
 			return &outbox.PartialError{Failed: map[string]error{
 				batch.Messages[1].EventID: outbox.Permanent(errors.New("poison b")),
 				batch.Messages[2].EventID: outbox.ErrNotAttempted,

@@ -8,7 +8,9 @@
 //
 // # Writing events
 //
-// Register the plugin and create its tables once:
+// Register the plugin and create or upgrade its tables at start-up (the
+// schema is versioned; [Migrations] holds its SQL files for your own
+// migration tool):
 //
 //	db.Use(outbox.Plugin())
 //	outbox.AutoMigrate(db)
@@ -38,7 +40,8 @@
 //	                     ▼    │
 //	                     retry ─── max attempts or Permanent ──▶ failed
 //	                                                               │
-//	pending ◀──────────────────────── RetryFailed ◀────────────────┘
+//	pending ◀──── RetryFailed (exhausted only, up to 3 times) ◀────┤
+//	pending ◀──── Requeue (a person, any failed row) ◀─────────────┘
 //
 // A claimed row is leased: if its dispatcher dies, the row is claimed again
 // once the lease passes, so every committed event is delivered at least
@@ -47,18 +50,22 @@
 // delivered early, and nothing of a rolled-back transaction ever is. Per
 // aggregate, sequence n+1 is never handed to a publisher before sequence n
 // was accepted; a dead-lettered event holds back the rest of its own
-// aggregate, and of no other, until it is retried.
+// aggregate, and of no other, until it comes back.
 //
-// A claim takes the oldest due events that keep each aggregate's order:
-// those whose predecessor was delivered, or is in the same batch just
-// before them. Dispatchers that Run side by side on PostgreSQL with
-// WithSlots split the aggregates into shares (slots, held as advisory
-// locks) and each claims the oldest of its own share first, so that they
-// drain a backlog without holding back each other's aggregates. When a claim has to hold some of the oldest back (another
-// dispatcher holds their aggregates, or an earlier event waits for a
-// retry), it tops the batch up with runs: from the aggregates whose next
-// undelivered event has waited longest, each one's consecutive due events
-// in sequence order.
+// A dead letter stays dead unless its failure was transient: the
+// retry_failed sweep ([Dispatcher.RetryFailed]) revives only events that
+// ran out of attempts, at most [WithMaxRevivals] times; a [Permanent]
+// error, an event type without a handler and a row that cannot be read
+// stay failed until a person moves them with [Dispatcher.Requeue].
+//
+// A claim is one short transaction that takes the oldest due events that
+// keep each aggregate's order: those whose predecessor was delivered, or
+// is in the same batch just before them. When it has to hold some of the
+// oldest back (another dispatcher holds their aggregates, or an earlier
+// event waits for a retry), it tops the batch up with runs: from the
+// aggregates whose next undelivered event has waited longest, each one's
+// consecutive due events in sequence order. The lease is locked_until: a
+// row whose lease lies ahead is never claimed.
 //
 // [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
 // dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3

@@ -14,13 +14,17 @@ var (
 	// with it and nothing is written.
 	ErrInvalidEvent = errors.New("outbox: invalid event")
 
-	// ErrUnidentifiedRows is returned when a bulk Update or Delete by
-	// condition targets a model that emits events: the plugin cannot tell
-	// which rows change, so it refuses the statement before anything is
-	// written. Load the rows and write each one, or, when no event is wanted,
-	// run the statement through [WithoutEvents] (and [Publish] what is
-	// needed yourself).
-	ErrUnidentifiedRows = errors.New("outbox: bulk write of an emitting model without primary keys")
+	// ErrUnidentifiedRows is returned when the plugin cannot learn which
+	// rows a write of an emitting model changes, or what happened to them:
+	// today, an upsert that may update (clause.OnConflict with DoUpdates
+	// or UpdateAll) on SQLite, whose RETURNING does not tell an update
+	// from an insert, when it does not name its conflict columns
+	// (clause.OnConflict{Columns: ...}) or its rows are maps; and any
+	// write of a kind the engine cannot return rows from. It is returned
+	// before the statement runs. Name the conflict columns,
+	// write the rows one by one, or, when no event is wanted, run the
+	// statement through [WithoutEvents] (and [Publish] what is needed).
+	ErrUnidentifiedRows = errors.New("outbox: cannot tell which rows the write changes")
 
 	// ErrPluginNotRegistered is returned by [Publish] when the *gorm.DB has no
 	// outbox plugin: call db.Use(outbox.Plugin(...)) first.

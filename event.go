@@ -25,7 +25,9 @@ const (
 // Event is a fact to record in the outbox, in the same transaction as the
 // business write it describes.
 //
-// Type, AggregateType and AggregateID are required. ID defaults to a fresh
+// Type, AggregateType and AggregateID are required; ID, Type,
+// AggregateType, AggregateID and IdempotencyKey may be at most 255
+// characters long ([MaxEventTypeLength] and the others). ID defaults to a fresh
 // UUIDv7, IdempotencyKey to ID and OccurredAt to the current time. Payload
 // is encoded with encoding/json; a json.RawMessage or []byte is stored as is
 // and must be valid JSON. A nil Payload is stored as JSON null.
@@ -45,15 +47,51 @@ type Event struct {
 }
 
 // Emitter is implemented by models that record events when they are
-// written. The plugin calls OutboxEvents after every create, update and
-// delete of the model, with the model's values as written, and records the
-// events it returns in the same transaction.
+// written. The plugin calls OutboxEvents once for every row that a create,
+// update or delete of the model inserted, updated or deleted, on a model
+// value filled from the row as the database stored it (as it was, for a
+// delete), and records the events it returns in the same transaction. A
+// statement's own model value is the one called where the row is one of
+// its rows (so fields that are not columns, associations say, are as the
+// caller set them, and the columns as stored); a row written by condition
+// gets a fresh model value. op is OpCreate for a row inserted, OpUpdate
+// for one updated (an upsert's update too), OpDelete for one deleted or
+// soft-deleted.
 //
 // OutboxEvents must be a pure function of the model: no I/O. An error it
 // returns fails the business write, and nothing is written. The method may
 // have a value or a pointer receiver.
 type Emitter interface {
 	OutboxEvents(op Op) ([]Event, error)
+}
+
+// The longest text an Event's identifying fields may hold, counted in
+// characters (Unicode code points). The limits are checked before anything
+// is written, the same on every engine, so that an event that works on
+// SQLite in development does not fail in production on an index that
+// cannot hold it: an event over a limit fails with [ErrInvalidEvent], and
+// the error quotes at most the first 64 characters of any value.
+const (
+	MaxEventIDLength        = 255
+	MaxEventTypeLength      = 255
+	MaxAggregateTypeLength  = 255
+	MaxAggregateIDLength    = 255
+	MaxIdempotencyKeyLength = 255
+)
+
+// shortLen is how many characters of a value an error message quotes.
+const shortLen = 64
+
+// short returns s, or its first shortLen characters and an ellipsis.
+func short(s string) string {
+	n := 0
+	for i := range s {
+		if n == shortLen {
+			return s[:i] + "…"
+		}
+		n++
+	}
+	return s
 }
 
 // encodedEvent is an Event checked, defaulted and encoded for storage.
@@ -71,21 +109,28 @@ func (e Event) encode(now time.Time) (encodedEvent, error) {
 	case e.Type == "":
 		return encodedEvent{}, fmt.Errorf("%w: Type is empty", ErrInvalidEvent)
 	case e.AggregateType == "":
-		return encodedEvent{}, fmt.Errorf("%w %q: AggregateType is empty", ErrInvalidEvent, e.Type)
+		return encodedEvent{}, fmt.Errorf("%w %q: AggregateType is empty", ErrInvalidEvent, short(e.Type))
 	case e.AggregateID == "":
-		return encodedEvent{}, fmt.Errorf("%w %q: AggregateID is empty", ErrInvalidEvent, e.Type)
+		return encodedEvent{}, fmt.Errorf("%w %q: AggregateID is empty", ErrInvalidEvent, short(e.Type))
 	}
-	for _, f := range []struct{ name, value string }{
-		{"Type", e.Type}, {"AggregateType", e.AggregateType}, {"AggregateID", e.AggregateID},
-		{"ID", e.ID}, {"IdempotencyKey", e.IdempotencyKey},
+	for _, f := range []struct {
+		name, value string
+		max         int
+	}{
+		{"Type", e.Type, MaxEventTypeLength}, {"AggregateType", e.AggregateType, MaxAggregateTypeLength},
+		{"AggregateID", e.AggregateID, MaxAggregateIDLength}, {"ID", e.ID, MaxEventIDLength},
+		{"IdempotencyKey", e.IdempotencyKey, MaxIdempotencyKeyLength},
 	} {
+		if n := utf8.RuneCountInString(f.value); n > f.max {
+			return encodedEvent{}, fmt.Errorf("%w %q: %s is %d characters long, more than the %d allowed", ErrInvalidEvent, short(e.Type), f.name, n, f.max)
+		}
 		if err := storableText(f.value); err != nil {
-			return encodedEvent{}, fmt.Errorf("%w %q: %s %w", ErrInvalidEvent, e.Type, f.name, err)
+			return encodedEvent{}, fmt.Errorf("%w %q: %s %w", ErrInvalidEvent, short(e.Type), f.name, err)
 		}
 	}
 	for k, v := range e.Headers {
 		if err := errors.Join(storableText(k), storableText(v)); err != nil {
-			return encodedEvent{}, fmt.Errorf("%w %q: header %q: %w", ErrInvalidEvent, e.Type, k, err)
+			return encodedEvent{}, fmt.Errorf("%w %q: header %q: %w", ErrInvalidEvent, e.Type, short(k), err)
 		}
 	}
 	enc := encodedEvent{

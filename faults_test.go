@@ -13,6 +13,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/deliveries"
 )
 
 // TestPublisherFaultsTogether runs two dispatchers against one publisher
@@ -99,19 +100,16 @@ func TestPublisherFaultsTogether(t *testing.T) {
 
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		first := map[string]int64{}
+		var order deliveries.OrderChecker
 		for _, m := range f.accepted {
-			if m.Sequence <= first[m.AggregateID] {
-				continue // a redelivery
+			if err := order.Accept(m); err != nil {
+				t.Error(err)
 			}
-			if m.Sequence != first[m.AggregateID]+1 {
-				t.Errorf("%s: first acceptance of #%d when #%d was due", m.AggregateID, m.Sequence, first[m.AggregateID]+1)
-			}
-			first[m.AggregateID] = m.Sequence
 		}
+		first := order.Accepted()
 		for _, a := range aggs[2:] {
-			if first[a] != perAggregate {
-				t.Errorf("healthy aggregate %s: %d of %d events accepted", a, first[a], perAggregate)
+			if first["agg/"+a] != perAggregate {
+				t.Errorf("healthy aggregate %s: %d of %d events accepted", a, first["agg/"+a], perAggregate)
 			}
 		}
 		// The poison aggregate: #1 delivered, #2 dead-lettered after exactly

@@ -9,19 +9,23 @@ import (
 	"gorm.io/gorm"
 )
 
-// registerCallbacks adds three callbacks to each of GORM's write chains:
+// registerCallbacks adds these callbacks to each of GORM's write chains:
 //
 //   - outbox:before_* runs just before GORM's before-hooks, after
-//     gorm:begin_transaction. It refuses writes on emitting models that it
-//     could not describe (bulk writes by condition, creates from maps)
-//     before anything is written, and, when the statement has no
-//     transaction (SkipDefaultTransaction), opens one.
+//     gorm:begin_transaction. When the statement has no transaction
+//     (SkipDefaultTransaction), it opens one; in the caller's transaction,
+//     on an engine where a failed statement does not abort the
+//     transaction, it sets a savepoint, so that a write that fails leaves
+//     nothing behind even if the caller commits.
+//   - outbox:returning_* and outbox:returned_* run around GORM's own
+//     gorm:create, gorm:update and gorm:delete: GORM builds the statement,
+//     the plugin runs it and learns the rows it wrote (returning.go).
 //   - outbox:after_* runs after GORM's after-hooks and just before
 //     gorm:commit_or_rollback_transaction, so that its rows go through the
 //     statement's own transaction. (A callback registered only After the
 //     write would be appended after the commit and write outside it.) It
-//     asks the models for their events and writes them; if outbox:before_*
-//     opened the transaction, it commits or rolls it back.
+//     asks the models for their events and writes them; it ends what
+//     outbox:before_* opened.
 //   - outbox:committed_* runs after gorm:commit_or_rollback_transaction and
 //     wakes the dispatchers (see wake.go).
 //
@@ -42,12 +46,18 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 		at   registerer
 		fn   func(*gorm.DB)
 	}{
-		{"outbox:before_create", cb.Create().Before("gorm:before_create"), p.before(OpCreate)},
-		{"outbox:after_create", cb.Create().Before("gorm:commit_or_rollback_transaction"), p.after(OpCreate)},
-		{"outbox:before_update", cb.Update().Before("gorm:before_update"), p.before(OpUpdate)},
-		{"outbox:after_update", cb.Update().Before("gorm:commit_or_rollback_transaction"), p.after(OpUpdate)},
-		{"outbox:before_delete", cb.Delete().Before("gorm:before_delete"), p.before(OpDelete)},
-		{"outbox:after_delete", cb.Delete().Before("gorm:commit_or_rollback_transaction"), p.after(OpDelete)},
+		{"outbox:before_create", cb.Create().Before("gorm:before_create"), p.before},
+		{"outbox:returning_create", cb.Create().Before("gorm:create").After("gorm:save_before_associations"), p.returning},
+		{"outbox:returned_create", cb.Create().After("gorm:create").Before("gorm:save_after_associations"), p.returned(OpCreate)},
+		{"outbox:after_create", cb.Create().Before("gorm:commit_or_rollback_transaction"), p.after},
+		{"outbox:before_update", cb.Update().Before("gorm:before_update"), p.before},
+		{"outbox:returning_update", cb.Update().Before("gorm:update").After("gorm:save_before_associations"), p.returning},
+		{"outbox:returned_update", cb.Update().After("gorm:update").Before("gorm:save_after_associations"), p.returned(OpUpdate)},
+		{"outbox:after_update", cb.Update().Before("gorm:commit_or_rollback_transaction"), p.after},
+		{"outbox:before_delete", cb.Delete().Before("gorm:before_delete"), p.before},
+		{"outbox:returning_delete", cb.Delete().Before("gorm:delete").After("gorm:delete_before_associations"), p.returning},
+		{"outbox:returned_delete", cb.Delete().After("gorm:delete").Before("gorm:after_delete"), p.returned(OpDelete)},
+		{"outbox:after_delete", cb.Delete().Before("gorm:commit_or_rollback_transaction"), p.after},
 		{"outbox:committed_create", cb.Create().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
 		{"outbox:committed_update", cb.Update().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
 		{"outbox:committed_delete", cb.Delete().After("gorm:commit_or_rollback_transaction"), p.committedCallback},
@@ -62,15 +72,14 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 // writeState is what the callbacks know of one statement on an emitting
 // model.
 type writeState struct {
-	own      bool      // the statement's own transaction: GORM's default one, or opened
-	opened   bool      // outbox:before_* opened it (SkipDefaultTransaction)
-	counted  bool      // counted in OutboxPlugin.ownInFlight
-	wrote    bool      // events were written
-	inside   bool      // the transaction was asked to notify at its commit
-	notifier *notifier // sends the notification after the commit, if any
-	tx       *txWrites // the Transaction the statement runs in, which wakes the dispatchers
+	own       bool      // the statement's own transaction: GORM's default one, or opened
+	opened    bool      // outbox:before_* opened it (SkipDefaultTransaction)
+	savepoint bool      // outbox:before_* set a savepoint in the caller's transaction
+	tx        *txWrites // the transaction whose commit wakes the dispatchers; nil in the caller's
 
 	replaced gorm.ConnPool // the statement's connection before outbox:before_* opened one
+	config   *gorm.Config  // the statement's configuration while GORM's write is a dry run
+	returned *returned     // the rows the write changed, once it has run
 }
 
 // gormStartedTxKey is the instance setting by which GORM's
@@ -101,141 +110,142 @@ func setState(db *gorm.DB, st *writeState) {
 	db.Statement.Settings.Store(key, st)
 }
 
-// committedCallback wakes the dispatchers once a statement that wrote
-// events has committed. Inside the caller's transaction, whose commit no
-// callback sees, it can only nudge this process's dispatchers, before the
-// commit (Dispatcher.Run then looks again shortly); the write itself asked
-// PostgreSQL to notify the others at commit. Inside a Transaction it does
-// nothing: the Transaction wakes them after its commit.
+// committedCallback wakes the dispatchers once a statement whose own
+// transaction wrote events has committed. (In the caller's transaction
+// the write itself arranged the wake-up; in a Transaction, the
+// Transaction does after its commit.)
 func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
 	st := stateOf(db)
 	if st == nil {
 		return
 	}
 	setState(db, nil)
-	p.uncount(st)
-	if !st.wrote || st.tx != nil {
-		return // a Transaction wakes the dispatchers after its commit
-	}
-	// An error here may be a failed commit or one that a callback after
-	// the commit added: a rolled-back write then costs a wake-up that
-	// finds nothing, but a committed one is never left without.
-	if st.own {
-		p.committed(st.notifier, st.inside)
-	} else {
-		p.wake()
+	if st.own && st.tx != nil {
+		// An error here may be a failed commit or one that a callback
+		// after the commit added: a rolled-back write then costs a
+		// wake-up that finds nothing, but a committed one is never left
+		// without.
+		st.tx.committed()
+		st.tx.end()
 	}
 }
 
-func (p *OutboxPlugin) before(op Op) func(*gorm.DB) {
-	return func(db *gorm.DB) {
-		setState(db, nil)
-		if db.Error != nil || eventsSkipped(db) {
-			return
-		}
-		stmt := db.Statement
-		if stmt.Schema == nil || p.emitterFor(stmt.Schema.ModelType) == nil {
-			return
-		}
-		if err := describable(stmt, op); err != nil {
-			_ = db.AddError(err)
-			return
-		}
-		st := &writeState{}
-		setState(db, st)
-		_, inTx := stmt.ConnPool.(gorm.TxCommitter)
-		if inTx {
-			_, started := db.InstanceGet(gormStartedTxKey)
-			st.own = started && !db.Config.SkipDefaultTransaction
-			if !st.own {
-				st.tx = txWritesOf(db, p)
-			}
-			return
-		}
-		tx := db.Begin()
-		if tx.Error != nil {
-			_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
-			return
-		}
-		st.replaced = stmt.ConnPool
-		stmt.ConnPool = tx.Statement.ConnPool
-		st.own, st.opened = true, true
-	}
-}
+const savepointName = "outbox_write"
 
-func (p *OutboxPlugin) after(op Op) func(*gorm.DB) {
-	return func(db *gorm.DB) {
-		st := stateOf(db)
-		if st == nil {
-			return
-		}
-		completed := false
-		defer func() { p.finishTransaction(db, st, completed) }()
-		p.writeEvents(db, st, op)
-		completed = true
+func (p *OutboxPlugin) before(db *gorm.DB) {
+	setState(db, nil)
+	if db.Error != nil || eventsSkipped(db) {
+		return
 	}
-}
-
-// writeEvents asks the statement's models for their events and writes
-// them through its connection.
-func (p *OutboxPlugin) writeEvents(db *gorm.DB, st *writeState, op Op) {
 	stmt := db.Statement
-	if db.Error != nil || stmt.Schema == nil {
+	if stmt.Schema == nil || p.emitterFor(stmt.Schema.ModelType) == nil {
+		return
+	}
+	st := &writeState{}
+	setState(db, st)
+	if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
+		_, started := db.InstanceGet(gormStartedTxKey)
+		st.own = started && !db.Config.SkipDefaultTransaction
+		if st.own {
+			st.tx = &txWrites{p: p}
+			return
+		}
+		st.tx = txWritesOf(db, p)
+		if d, err := dialectOf(db); err == nil && !d.errorAbortsTx() && !db.DryRun {
+			if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "SAVEPOINT "+savepointName); err != nil {
+				_ = db.AddError(fmt.Errorf("outbox: savepoint: %w", err))
+				return
+			}
+			st.savepoint = true
+		}
+		return
+	}
+	tx := db.Begin()
+	if tx.Error != nil {
+		_ = db.AddError(fmt.Errorf("outbox: begin transaction: %w", tx.Error))
+		return
+	}
+	st.replaced = stmt.ConnPool
+	stmt.ConnPool = tx.Statement.ConnPool
+	st.own, st.opened = true, true
+	st.tx = &txWrites{p: p}
+}
+
+func (p *OutboxPlugin) after(db *gorm.DB) {
+	st := stateOf(db)
+	if st == nil {
+		return
+	}
+	completed := false
+	defer func() { p.finishTransaction(db, st, completed) }()
+	p.writeEvents(db, st)
+	completed = true
+}
+
+// writeEvents asks the models the statement wrote for their events and
+// records them through its connection.
+func (p *OutboxPlugin) writeEvents(db *gorm.DB, st *writeState) {
+	stmt := db.Statement
+	if db.Error != nil || st.returned == nil || len(st.returned.rows) == 0 {
 		return
 	}
 	emit := p.emitterFor(stmt.Schema.ModelType)
 	if emit == nil {
 		return
 	}
-	// An update or delete of one identified row that matched nothing
-	// changed nothing, so there is no fact to report.
-	if op != OpCreate && stmt.ReflectValue.Kind() == reflect.Struct && db.RowsAffected == 0 {
-		return
-	}
 	var events []Event
-	err := eachModel(stmt.ReflectValue, func(model reflect.Value) error {
-		evs, err := emit(model.Addr().Interface(), op)
+	for _, w := range st.returned.rowsWritten(stmt) {
+		evs, err := emit(w.model.Addr().Interface(), w.op)
 		if err != nil {
-			return fmt.Errorf("outbox: %s.OutboxEvents(%s): %w", stmt.Schema.Name, op, err)
+			_ = db.AddError(fmt.Errorf("outbox: %s.OutboxEvents(%s): %w", stmt.Schema.Name, w.op, err))
+			return
 		}
 		events = append(events, evs...)
-		return nil
-	})
-	switch {
-	case err != nil || len(events) == 0:
-	case st.tx != nil:
-		err = st.tx.write(db, events)
-	default:
-		if st.own {
-			p.ownInFlight.Add(1)
-			st.counted = true
-			st.notifier = p.notifierFor(db)
-		}
-		st.inside = p.notifyInside(st.notifier, st.own)
-		_, err = p.write(stmt.Context, db, stmt.ConnPool, events, st.inside)
 	}
-	if err != nil {
+	if err := p.record(db, events, st.tx, false); err != nil {
 		_ = db.AddError(err)
-	} else if len(events) > 0 {
-		st.wrote = true
 	}
 }
 
-// finishTransaction ends what outbox:after_* leaves open. If writeEvents
+// finishTransaction ends what outbox:before_* left open. If writeEvents
 // did not complete (an emitter panicked, or called runtime.Goexit), it
 // rolls back the statement's own transaction, GORM's too (GORM would leave
-// it open), and lets the panic go on. Otherwise it commits or rolls back
-// the transaction that outbox:before_* opened, if it did, and hands the
-// statement back the connection it had. (A panic between outbox:before_*
-// and outbox:after_*, in a hook or another plugin's callback, leaves that
-// transaction open, as GORM leaves its own.)
+// it open), or to the savepoint, and lets the panic go on. Otherwise it
+// commits or rolls back the transaction that outbox:before_* opened, or
+// releases its savepoint (rolling back to it first if the statement
+// failed), and hands the statement back the connection it had. (A panic
+// between outbox:before_* and outbox:after_*, in a hook or another
+// plugin's callback, leaves that transaction open, as GORM leaves its
+// own.)
 func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed bool) {
+	stmt := db.Statement
+	if st.config != nil { // GORM's write never reached outbox:returned_*
+		db.Config, st.config = st.config, nil
+	}
+	if st.savepoint {
+		st.savepoint = false
+		if !completed || db.Error != nil {
+			_, _ = plainConn(stmt.ConnPool).ExecContext(stmt.Context, "ROLLBACK TO SAVEPOINT "+savepointName) // the statement's error is the one to report
+		}
+		if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "RELEASE SAVEPOINT "+savepointName); err != nil && completed {
+			_ = db.AddError(fmt.Errorf("outbox: release savepoint: %w", err))
+		}
+		return
+	}
+	if !st.own && db.Error != nil && st.returned != nil && len(st.returned.rows) > 0 {
+		// The caller's transaction holds rows whose events failed.
+		if d, err := dialectOf(db); err == nil {
+			if a, ok := d.(txAborter); ok {
+				_ = a.abortTx(stmt.Context, plainConn(stmt.ConnPool)) // it fails by design
+			}
+		}
+	}
 	if !completed {
 		if st.own {
 			db.Rollback()
-			db.Statement.ConnPool = st.restore(db)
+			stmt.ConnPool = st.restore(db)
+			st.tx.end()
 		}
-		p.uncount(st)
 		return
 	}
 	if !st.opened {
@@ -246,7 +256,28 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 	} else {
 		db.Commit()
 	}
-	db.Statement.ConnPool = st.restore(db)
+	stmt.ConnPool = st.restore(db)
+}
+
+// plainConn returns conn without GORM's prepared-statement wrapper
+// (PrepareStmt), so that the plugin's own statements (event inserts,
+// savepoints) do not fill the caller's statement cache: the driver
+// prepares them as it does any statement.
+func plainConn(conn gorm.ConnPool) gorm.ConnPool {
+	switch c := conn.(type) {
+	case *gorm.PreparedStmtTX:
+		return c.Tx
+	case *gorm.PreparedStmtDB:
+		return c.ConnPool
+	}
+	return conn
+}
+
+// txAborter is a dialect whose engine aborts a transaction after a failed
+// statement (errorAbortsTx), and that can do so on purpose.
+type txAborter interface {
+	// abortTx makes the transaction of conn refuse to commit.
+	abortTx(ctx context.Context, conn gorm.ConnPool) error
 }
 
 // restore returns the connection to put back on db's statement when its
@@ -259,89 +290,89 @@ func (st *writeState) restore(db *gorm.DB) gorm.ConnPool {
 	return db.ConnPool
 }
 
-// uncount takes st's transaction out of ownInFlight once it has ended.
-func (p *OutboxPlugin) uncount(st *writeState) {
-	if st.counted {
-		st.counted = false
-		p.ownInFlight.Add(-1)
-	}
-}
-
-// describable reports why the plugin cannot build the events of stmt, if it
-// cannot: events are built from model values, so the statement must carry
-// them, and an update or delete must name its rows by primary key.
-func describable(stmt *gorm.Statement, op Op) error {
-	rv := stmt.ReflectValue
-	switch rv.Kind() {
-	case reflect.Struct, reflect.Slice, reflect.Array:
-	default:
-		return fmt.Errorf("%w: %s of %s from a %s: events are built from model values; write a %s value, or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
-			ErrUnidentifiedRows, op, stmt.Schema.Name, rv.Kind(), stmt.Schema.Name)
-	}
-	if op == OpCreate {
-		return nil
-	}
-	if len(stmt.Schema.PrimaryFields) == 0 {
-		return fmt.Errorf("%w: %s of %s: the model has no primary key", ErrUnidentifiedRows, op, stmt.Schema.Name)
-	}
-	anonymous := rv.Kind() != reflect.Struct && rv.Len() == 0
-	_ = eachModel(rv, func(model reflect.Value) error {
-		for _, pk := range stmt.Schema.PrimaryFields {
-			if _, zero := pk.ValueOf(stmt.Context, model); zero {
-				anonymous = true
-			}
-		}
-		return nil
-	})
-	if anonymous {
-		return fmt.Errorf("%w: %s of %s by condition: the plugin cannot tell which rows change; load the rows and write each one (db.Model(&row).Updates(...), db.Delete(&row)), or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
-			ErrUnidentifiedRows, op, stmt.Schema.Name)
-	}
-	return nil
-}
-
 // eachModel calls fn with every model struct held by rv (a struct, or a
 // slice or array of structs or pointers to structs), always addressable.
-func eachModel(rv reflect.Value, fn func(reflect.Value) error) error {
+func eachModel(rv reflect.Value, fn func(reflect.Value)) {
 	switch rv.Kind() {
 	case reflect.Slice, reflect.Array:
 		for i := 0; i < rv.Len(); i++ {
-			if err := eachModel(reflect.Indirect(rv.Index(i)), fn); err != nil {
-				return err
-			}
+			eachModel(reflect.Indirect(rv.Index(i)), fn)
 		}
-		return nil
 	case reflect.Struct:
 		if !rv.CanAddr() {
 			cp := reflect.New(rv.Type()).Elem()
 			cp.Set(rv)
 			rv = cp
 		}
-		return fn(rv)
-	default:
-		return nil
+		fn(rv)
 	}
 }
 
-// write validates and encodes every event first, so that a bad one writes
-// nothing, then stores them through conn in order. With notify, it also
-// asks the engine to notify listeners when the transaction commits, and
-// reports whether it did (not when every event was stored already).
-func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPool, events []Event, notify bool) (notified bool, err error) {
+// record writes events through db's connection and arranges the
+// wake-up of the dispatchers: the one write path of the hooks, Publish and
+// Transaction. In a transaction whose commit the plugin sees (w, not
+// ended), w decides whether the engine notifies at the commit or w's
+// notifier after it (see wake.go); in the caller's transaction (w nil or
+// ended), the engine notifies at its commit and the dispatchers of this
+// process are nudged at once. With guard, on an engine where a failed
+// statement does not abort the transaction, the events are written inside
+// a savepoint, so that a failure leaves none of them behind.
+func (p *OutboxPlugin) record(db *gorm.DB, events []Event, w *txWrites, guard bool) error {
 	if len(events) == 0 {
-		return false, nil
+		return nil
 	}
 	d, err := dialectOf(db)
 	if err != nil {
-		return false, err
+		return err
 	}
+	encoded, err := encodeAll(p.withContextHeaders(db.Statement.Context, events))
+	if err != nil {
+		return err
+	}
+	if w == nil || w.ended.Load() {
+		_, err = p.store(db, d, encoded, p.notify, guard)
+		p.wake()
+		return err
+	}
+	return w.write(db, func(notify bool) (bool, error) { return p.store(db, d, encoded, notify, guard) })
+}
+
+// encodeAll validates and encodes every event, so that a bad one writes
+// nothing.
+func encodeAll(events []Event) ([]encodedEvent, error) {
 	now := time.Now()
 	encoded := make([]encodedEvent, len(events))
 	for i, ev := range events {
+		var err error
 		if encoded[i], err = ev.encode(now); err != nil {
-			return false, err
+			return nil, err
 		}
 	}
+	return encoded, nil
+}
+
+// store writes encoded events through db's connection in order. With
+// notify, it also asks the engine to notify listeners when the
+// transaction commits, and reports whether it did (not when every event
+// was stored already). With guard (see record), a savepoint surrounds the
+// writes.
+func (p *OutboxPlugin) store(db *gorm.DB, d dialect, encoded []encodedEvent, notify, guard bool) (notified bool, err error) {
+	ctx, conn := db.Statement.Context, plainConn(db.Statement.ConnPool)
+	if guard && !d.errorAbortsTx() {
+		if _, err := conn.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
+			return false, fmt.Errorf("outbox: savepoint: %w", err)
+		}
+		defer func() {
+			if err != nil {
+				notified = false
+				_, _ = conn.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+savepointName) // err is the one to report
+			}
+			if _, rerr := conn.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); rerr != nil && err == nil {
+				err = fmt.Errorf("outbox: release savepoint: %w", rerr)
+			}
+		}()
+	}
+	now := time.Now()
 	for i := range encoded {
 		// One notification per transaction is enough: PostgreSQL folds
 		// identical ones, but sending it once saves the work. It rides on
@@ -354,9 +385,9 @@ func (p *OutboxPlugin) write(ctx context.Context, db *gorm.DB, conn gorm.ConnPoo
 		if err != nil {
 			e := &encoded[i]
 			if d.rejectsData(err) {
-				return notified, fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, e.typ, err)
+				return notified, fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, short(e.typ), err)
 			}
-			return notified, fmt.Errorf("outbox: write event %q (%s %s/%s): %w", e.id, e.typ, e.aggregateType, e.aggregateID, err)
+			return notified, fmt.Errorf("outbox: write event %q (%s %s/%s): %w", short(e.id), short(e.typ), short(e.aggregateType), short(e.aggregateID), err)
 		}
 	}
 	return notified, nil

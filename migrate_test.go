@@ -60,7 +60,7 @@ func TestAutoMigrateUpgradesATableOfTheUnversionedSchemaKeepingEveryRow(t *testi
 		rec := &recorder{}
 		d := newDispatcher(t, db, rec)
 		dispatch(t, d)
-		if got := strings.Join(rec.acceptedIDs(), " "); got != "agg/a#1 agg/a#2 agg/a#3" {
+		if got := strings.Join(rec.AcceptedIDs(), " "); got != "agg/a#1 agg/a#2 agg/a#3" {
 			t.Fatalf("delivered %s after the upgrade, want a's three events", got)
 		}
 		// The old dead letter has no recorded kind: the sweep leaves it, a
@@ -72,7 +72,7 @@ func TestAutoMigrateUpgradesATableOfTheUnversionedSchemaKeepingEveryRow(t *testi
 			t.Fatalf("Requeue = %d, %v; want 1", n, err)
 		}
 		dispatch(t, d)
-		if got := len(rec.acceptedIDs()); got != 4 {
+		if got := len(rec.AcceptedIDs()); got != 4 {
 			t.Fatalf("delivered %d events, want all 4", got)
 		}
 	})

@@ -208,3 +208,31 @@ func TestRunClaimsAgainAtOnceAfterParking(t *testing.T) {
 		}
 	})
 }
+
+// A dispatcher killed mid-batch leaves its rows delivering with a lease
+// that ends after the rows written behind them meanwhile. Once the lease
+// has passed, the head must be claimed again even when more of those rows
+// come before it in due order than a claim looks at.
+func TestExpiredLeaseBehindADeepBacklogIsClaimedAgain(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		db, d := parkSetup(t, e, scanWindow(DefaultBatchSize)+100)
+		ctx := context.Background()
+		now := time.Now()
+		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'delivering', batch_id = 'killed', locked_until = ?, next_attempt_at = ?
+			WHERE aggregate_sequence = 1`, d.d.timeArg(now.Add(-time.Second)), d.d.timeArg(now.Add(-time.Second)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(now.Add(-time.Hour)))
+		var state string
+		for range 3 {
+			if _, err := d.Dispatch(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := db.Raw(`SELECT delivery_state FROM outbox_records WHERE aggregate_sequence = 1`).Scan(&state).Error; err != nil {
+				t.Fatal(err)
+			}
+			if state == StateDelivered {
+				return
+			}
+		}
+		t.Fatalf("#1 is %s after three dispatches, want delivered", state)
+	})
+}

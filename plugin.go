@@ -31,11 +31,27 @@ const pluginName = "outbox"
 // transaction, inside savepoints, and with SkipDefaultTransaction, where the
 // plugin opens a transaction of its own for statements on emitting models.
 //
+// Events describe what the database did. The plugin runs GORM's statement
+// with RETURNING and asks the emitter once per row the statement actually
+// inserted, updated or deleted, with the model filled from that row as
+// stored (defaults, expressions and triggers included), so a row the
+// statement did not write gets no event. An upsert reports each row as
+// created or updated by what happened to it. Writes by condition
+// (Where(...).Update, Delete by primary key value, GORM's association
+// statements, gorm.G[T]) and creates from maps record an event per row
+// written. Dry runs and ToSQL record nothing. A write that fails leaves
+// neither its rows nor its events behind, even when the caller ignores the
+// error and commits its transaction: on SQLite each write in the caller's
+// transaction runs inside a savepoint; on PostgreSQL a failure after the
+// rows were written aborts the transaction.
+//
 // An OutboxPlugin is safe for concurrent use.
 type OutboxPlugin struct {
 	tables tables
 	notify bool
 	err    error // an invalid option, reported by Initialize
+
+	contextHeaders []contextHeadersFunc // WithContextHeaders
 
 	mu        sync.RWMutex
 	emitters  map[reflect.Type]func(model any, op Op) ([]Event, error)
@@ -137,8 +153,9 @@ func (p *OutboxPlugin) Table() string { return p.tables.name }
 
 // RegisterEmitter attaches events to a model type T that cannot implement
 // [Emitter] itself, for example a type from another package. After every
-// create, update and delete of a T, the plugin calls fn with the model as
-// written and records the events it returns, exactly as for an Emitter.
+// create, update and delete of a T, the plugin calls fn once per row
+// written, with the model filled from the row as stored, and records the
+// events it returns, exactly as for an Emitter.
 //
 // It fails if T is not a struct type, already has an emitter registered, or
 // implements Emitter itself. It may be called before or after db.Use; a
@@ -178,9 +195,9 @@ func (p *OutboxPlugin) emitterFor(t reflect.Type) func(model any, op Op) ([]Even
 const skipEventsKey = "outbox:skip_events"
 
 // WithoutEvents returns db set up so that the statements run through it
-// record no outbox events, even on models that emit them. Use it for bulk
-// writes by condition (see [ErrUnidentifiedRows]), backfills and data
-// repairs; [Publish] still records what it is given.
+// record no outbox events, even on models that emit them. Use it for
+// backfills and data repairs, and for the writes the plugin refuses (see
+// [ErrUnidentifiedRows]); [Publish] still records what it is given.
 //
 // It leaves db itself as it was, even where db is a chain whose statements
 // GORM runs on one Statement (db.Model(&x), say).

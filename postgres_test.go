@@ -177,8 +177,8 @@ func TestPostgresDispatcherClaimsOnEveryKindOfPool(t *testing.T) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_id = 'b' AND aggregate_sequence = 1`).Error)
 			rec := &recorder{}
 			d := newDispatcher(t, tc.open(t, b.info.DSN), rec)
-			if n := dispatch(t, d); n != 2 || fmt.Sprint(rec.batchIDs()) != "[[a#1 a#2]]" {
-				t.Fatalf("delivered %d in %v, want a#1 a#2 and nothing of b", n, rec.batchIDs())
+			if n := dispatch(t, d); n != 2 || fmt.Sprint(rec.BatchIDs()) != "[[a#1 a#2]]" {
+				t.Fatalf("delivered %d in %v, want a#1 a#2 and nothing of b", n, rec.BatchIDs())
 			}
 		})
 	}

@@ -12,7 +12,10 @@ import (
 //
 // Every event is validated and encoded before anything is written; an
 // invalid one fails the whole call with an error wrapping
-// [ErrInvalidEvent]. An event whose IdempotencyKey is already stored is
+// [ErrInvalidEvent]. A call that fails leaves none of its events behind,
+// even when the caller goes on and commits its transaction (a savepoint
+// surrounds the writes on engines where a failed statement does not abort
+// the transaction). An event whose IdempotencyKey is already stored is
 // skipped without error. Publish fails with [ErrPluginNotRegistered] when
 // the outbox plugin was not registered on tx.
 func Publish(tx *gorm.DB, events ...Event) error {
@@ -27,29 +30,16 @@ func Publish(tx *gorm.DB, events ...Event) error {
 		return nil
 	}
 	if _, inTx := tx.Statement.ConnPool.(gorm.TxCommitter); inTx {
-		if w := txWritesOf(tx, p); w != nil {
-			return w.write(tx, events) // Transaction wakes the dispatchers after its commit
-		}
-		_, err = p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, p.notifyInside(nil, false))
-		if err == nil {
-			p.wake()
-		}
-		return err
+		// The caller may go on after an error and commit: the events are
+		// written inside a savepoint where an error does not abort the
+		// transaction.
+		return p.record(tx, events, txWritesOf(tx, p), true)
 	}
-	p.ownInFlight.Add(1)
-	defer p.ownInFlight.Add(-1)
-	var (
-		n      *notifier
-		inside bool
-	)
-	err = tx.Transaction(func(tx *gorm.DB) error {
-		n = p.notifierFor(tx)
-		inside = p.notifyInside(n, true)
-		_, err := p.write(tx.Statement.Context, tx, tx.Statement.ConnPool, events, inside)
-		return err
-	})
+	w := &txWrites{p: p}
+	defer w.end()
+	err = tx.Transaction(func(tx *gorm.DB) error { return p.record(tx, events, w, false) })
 	if err == nil {
-		p.committed(n, inside)
+		w.committed()
 	}
 	return err
 }

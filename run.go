@@ -80,7 +80,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		wait := d.pollInterval
 		switch {
 		case err != nil:
-			d.log.Error("outbox: dispatch failed; retrying", "error", err, "in", wait)
+			d.log.Error("outbox: dispatch failed; retrying", "error", err, "retry_in", wait)
 		case r.More:
 			wait = 0
 		case r.Claimed == 0 && woken && d.inProcess.Load():
@@ -117,7 +117,7 @@ func (d *Dispatcher) listenLoop(ctx context.Context) {
 		}
 		if errors.Is(err, errNoListen) {
 			if err != errNoListen {
-				d.log.Warn("outbox: not listening for notifications; polling, and woken by writes of this process", "reason", err)
+				d.log.Warn("outbox: not listening for notifications; polling, and woken by writes of this process", "error", err)
 			}
 			d.wakeInProcess(ctx)
 			return

@@ -55,6 +55,9 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 					k.kind = failurePermanent
 				}
 				failed++
+				d.log.Error("outbox: message dead-lettered", "batch_id", batchID, "event_id", r.msg.EventID,
+					"event_type", r.msg.EventType, "aggregate_type", r.msg.AggregateType, "aggregate_id", r.msg.AggregateID,
+					"sequence", r.msg.Sequence, "attempts", k.attempts, "failure_kind", k.kind, "error", err)
 			} else {
 				bk := backoffKey{k.attempts, k.lastErr}
 				wait, ok := backoffs[bk]
@@ -74,6 +77,10 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 	for _, k := range order {
 		n, err := d.settleGroup(ctx, batchID, k, groups[k], now)
 		if err != nil {
+			if pubErr != nil {
+				// The publish's outcome is logged nowhere else.
+				return 0, fmt.Errorf("outbox: settle batch %s after its publish failed (%w): %w", batchID, pubErr, err)
+			}
 			return 0, fmt.Errorf("outbox: settle batch %s: %w", batchID, err)
 		}
 		settled += n

@@ -35,7 +35,7 @@ func TestSQLiteTimestampsCompareAsTimes(t *testing.T) {
 	// the comparison of stored text against the claim's now is a time
 	// comparison.
 	fail := true
-	rec := &recorder{next: func(outbox.Batch) error {
+	rec := &recorder{Next: func(outbox.Batch) error {
 		if fail {
 			return errRollback
 		}
@@ -97,7 +97,7 @@ func TestSQLiteDispatchersOnSeparatePoolsShareTheFile(t *testing.T) {
 		mustNil(t, <-done)
 	}
 	seen := map[string]bool{}
-	for _, m := range rec.accepted {
+	for _, m := range rec.Accepted() {
 		if seen[m.EventID] {
 			t.Fatalf("event %s published twice", m.EventID)
 		}

@@ -66,13 +66,15 @@ func Transaction(db *gorm.DB, fc func(tx *gorm.DB) error, opts ...*sql.TxOptions
 // find its txWrites.
 const txWritesKey = "outbox:transaction"
 
-// txWrites is what a Transaction learns about the event writes in it. Its
+// txWrites is what the plugin learns about the event writes of a
+// transaction whose commit it sees: a Transaction's, a statement's own
+// (GORM's default one, or the one the plugin opens), Publish's own. Its
 // lock is never held while a statement runs: a write that waits in the
 // database must not keep the Transaction's other statements (or those of
 // a transaction that fc runs on another connection) from starting.
 type txWrites struct {
 	p     *OutboxPlugin
-	conn  gorm.ConnPool // the transaction's connection, set before fc runs
+	conn  gorm.ConnPool // a Transaction's connection, set before fc runs
 	ended atomic.Bool   // the transaction is over: its statements write as any others
 
 	mu       sync.Mutex
@@ -104,20 +106,13 @@ func sameConn(a, b gorm.ConnPool) bool {
 	return a == b
 }
 
-// write stores events through db's connection, in w's transaction, and
-// decides as for a transaction whose commit the plugin sees whether it
-// asks the engine to notify at the commit. Each write decides for itself:
-// a notification asked for in a savepoint is dropped if the savepoint
-// rolls back. If the Transaction has ended meanwhile (tx used after fc
-// returned), it writes as in the caller's transaction.
-func (w *txWrites) write(db *gorm.DB, events []Event) error {
+// write runs store, which writes events in w's transaction, and tells it
+// whether to ask the engine to notify at the commit, as for a transaction
+// whose commit the plugin sees (see wake.go). Each write decides for
+// itself: a notification asked for in a savepoint is dropped if the
+// savepoint rolls back.
+func (w *txWrites) write(db *gorm.DB, store func(notify bool) (notified bool, err error)) error {
 	w.mu.Lock()
-	if w.ended.Load() {
-		w.mu.Unlock()
-		_, err := w.p.write(db.Statement.Context, db, db.Statement.ConnPool, events, w.p.notifyInside(nil, false))
-		w.p.wake()
-		return err
-	}
 	if !w.counted {
 		w.counted = true
 		w.p.ownInFlight.Add(1)
@@ -126,15 +121,13 @@ func (w *txWrites) write(db *gorm.DB, events []Event) error {
 	n := w.notifier
 	w.mu.Unlock()
 
-	notified, err := w.p.write(db.Statement.Context, db, db.Statement.ConnPool, events, w.p.notifyInside(n, true))
-	if len(events) > 0 {
-		// A failed write may have stored some events: a wake-up that
-		// finds nothing costs less than one missed.
-		w.mu.Lock()
-		w.wrote = true
-		w.pending = w.pending || !notified
-		w.mu.Unlock()
-	}
+	notified, err := store(w.p.notifyInside(n))
+	// A failed write may have stored some events: a wake-up that finds
+	// nothing costs less than one missed.
+	w.mu.Lock()
+	w.wrote = true
+	w.pending = w.pending || !notified
+	w.mu.Unlock()
 	return err
 }
 

@@ -84,18 +84,16 @@ func (p *OutboxPlugin) committed(n *notifier, inside bool) {
 	}
 }
 
-// notifyInside reports whether a write asks the engine to notify at its
-// transaction's commit, rather than leave it to n after the commit. It does
-// when notifications are on and either the plugin will not see the commit
-// (own is false: the caller's transaction), or there is no notifier, or no
-// other transaction of the plugin's is between its writes and its commit. A
-// lone transaction notifies at no extra cost; among concurrent ones, the
-// notifier keeps their commits from being serialised.
-func (p *OutboxPlugin) notifyInside(n *notifier, own bool) bool {
-	if !p.notify {
-		return false
-	}
-	return !own || n == nil || p.ownInFlight.Load() <= 1
+// notifyInside reports whether a write in a transaction whose commit the
+// plugin sees asks the engine to notify at the commit, rather than leave
+// it to n after the commit. It does when notifications are on and either
+// there is no notifier, or no other such transaction is between its
+// writes and its commit: a lone transaction notifies at no extra cost;
+// among concurrent ones, the notifier keeps their commits from being
+// serialised. (In the caller's transaction, whose commit the plugin does
+// not see, a write always asks the engine when notifications are on.)
+func (p *OutboxPlugin) notifyInside(n *notifier) bool {
+	return p.notify && (n == nil || p.ownInFlight.Load() <= 1)
 }
 
 // notifierFor returns the notifier of the pool behind db's connection (a

@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
@@ -281,7 +282,7 @@ func TestEveryWritePathEmits(t *testing.T) {
 	}
 }
 
-func TestBulkWriteByConditionFails(t *testing.T) {
+func TestWithoutEventsRunsWritesByConditionAndRecordsNothing(t *testing.T) {
 	cases := []struct {
 		name string
 		run  func(db *gorm.DB) error
@@ -307,30 +308,157 @@ func TestBulkWriteByConditionFails(t *testing.T) {
 			t.Parallel()
 			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
-				mustNil(t, b.db.Create(&Order{Status: "new", Total: 1}).Error)
-				err := c.run(b.db)
-				if !errors.Is(err, outbox.ErrUnidentifiedRows) {
-					t.Fatalf("err = %v, want ErrUnidentifiedRows", err)
-				}
-				if !strings.Contains(err.Error(), "WithoutEvents") {
-					t.Errorf("the error does not say how to opt out: %v", err)
-				}
-				var os []Order
-				mustNil(t, b.db.Find(&os).Error)
-				if len(os) != 1 || os[0].Status != "new" {
-					t.Fatalf("business rows changed: %+v", os)
-				}
-				if n := len(b.records(t)); n != 1 {
-					t.Fatalf("got %d outbox rows, want only the create's", n)
-				}
-				// The documented opt-out runs the statement and records nothing.
+				mustNil(t, outbox.WithoutEvents(b.db).Create(&Order{Status: "new", Total: 1}).Error)
 				mustNil(t, c.run(outbox.WithoutEvents(b.db)))
-				if n := len(b.records(t)); n != 1 {
-					t.Fatalf("WithoutEvents recorded %d outbox rows, want 1", n)
+				var n int64
+				mustNil(t, b.db.Model(&Order{}).Where("status = ?", "new").Count(&n).Error)
+				if n != 0 && c.name != "CreateFromMap" {
+					t.Fatalf("the statement did not run: %d rows still new", n)
+				}
+				if n := len(b.records(t)); n != 0 {
+					t.Fatalf("WithoutEvents recorded %d outbox rows, want none", n)
 				}
 			})
 		})
 	}
+}
+
+func TestGlobalWriteKeepsGormsMissingWhereClauseError(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.Create(&[]Order{{Status: "a"}, {Status: "b"}}).Error)
+		if err := b.db.Model(&Order{}).Update("status", "x").Error; !errors.Is(err, gorm.ErrMissingWhereClause) {
+			t.Fatalf("global update: err = %v, want gorm.ErrMissingWhereClause", err)
+		}
+		if err := b.db.Delete(&Order{}).Error; !errors.Is(err, gorm.ErrMissingWhereClause) {
+			t.Fatalf("global delete: err = %v, want gorm.ErrMissingWhereClause", err)
+		}
+		if n := len(b.records(t)); n != 2 {
+			t.Fatalf("%d outbox rows after the refused writes, want the 2 creates", n)
+		}
+		// Allowed, a global write records an event for every row it wrote.
+		all := b.db.Session(&gorm.Session{AllowGlobalUpdate: true})
+		mustNil(t, all.Model(&Order{}).Update("status", "x").Error)
+		mustNil(t, all.Delete(&Order{}).Error)
+		got := styleEvents(t, b, 2)
+		want := []string{
+			`order.update order/1#2 {"ID":1,"Status":"x","Total":0}`,
+			`order.update order/2#2 {"ID":2,"Status":"x","Total":0}`,
+			`order.delete order/1#3 {"ID":1,"Status":"x","Total":0}`,
+			`order.delete order/2#3 {"ID":2,"Status":"x","Total":0}`,
+		}
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("events %v, want %v", got, want)
+		}
+	})
+}
+
+// TestUpsertWithoutConflictColumnsIsRefusedOnSQLite: SQLite's RETURNING
+// does not say whether an upsert inserted or updated a row, so the plugin
+// reads the conflict keys first, and needs to be told them.
+func TestUpsertWithoutConflictColumnsIsRefusedOnSQLite(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.Create(&Order{Status: "a"}).Error)
+		up := clause.OnConflict{DoUpdates: clause.AssignmentColumns([]string{"status"})}
+		if e == outboxtest.Postgres {
+			up.OnConstraint = "orders_pkey"
+		}
+		err := b.db.Clauses(up).Create(&[]Order{{ID: 1, Status: "b"}, {ID: 2, Status: "c"}}).Error
+		if e == outboxtest.Postgres {
+			mustNil(t, err)
+			got := styleEvents(t, b, 1)
+			want := []string{`order.update order/1#2 {"ID":1,"Status":"b","Total":0}`, `order.create order/2#1 {"ID":2,"Status":"c","Total":0}`}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("events %v, want %v", got, want)
+			}
+			return
+		}
+		if !errors.Is(err, outbox.ErrUnidentifiedRows) || !strings.Contains(err.Error(), "OnConflict{Columns") {
+			t.Fatalf("err = %v, want ErrUnidentifiedRows naming the conflict columns", err)
+		}
+		var statuses []string
+		mustNil(t, b.db.Model(&Order{}).Order("id").Pluck("status", &statuses).Error)
+		if fmt.Sprint(statuses) != "[a]" || len(b.records(t)) != 1 {
+			t.Fatalf("the refused upsert wrote: rows %v, %d outbox rows", statuses, len(b.records(t)))
+		}
+	})
+}
+
+// TestFailedPublishLeavesNothingWhenTheCallerCommits: the second event's
+// event_id exists under another key, so its insert fails after the first
+// event of the call was written.
+func TestFailedPublishLeavesNothingWhenTheCallerCommits(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, outbox.Publish(b.db, outbox.Event{ID: "e1", Type: "t", AggregateType: "order", AggregateID: "1"}))
+		var publishErr error
+		_ = b.db.Transaction(func(tx *gorm.DB) error {
+			publishErr = outbox.Publish(tx,
+				outbox.Event{Type: "t", AggregateType: "order", AggregateID: "1"},
+				outbox.Event{ID: "e1", IdempotencyKey: "other", Type: "t", AggregateType: "order", AggregateID: "1"})
+			return nil // the caller ignores the error and commits
+		})
+		if publishErr == nil {
+			t.Fatal("Publish of an event_id that exists under another key succeeded")
+		}
+		if n := len(b.records(t)); n != 1 {
+			t.Fatalf("%d outbox rows, want the first Publish's alone", n)
+		}
+		mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "order", AggregateID: "1"}))
+		if rs := b.records(t); rs[len(rs)-1].AggregateSequence != 2 {
+			t.Fatalf("the next event got sequence %d, want 2: the failed call left a gap", rs[len(rs)-1].AggregateSequence)
+		}
+	})
+}
+
+func TestFailedEmitterLeavesNoRowWhenTheCallerCommits(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		var createErr error
+		_ = b.db.Transaction(func(tx *gorm.DB) error {
+			createErr = tx.Create(&Broken{Mode: "error"}).Error
+			return nil // the caller ignores the error and commits
+		})
+		if !errors.Is(createErr, errEmitter) {
+			t.Fatalf("err = %v, want the emitter's", createErr)
+		}
+		var n int64
+		mustNil(t, b.db.Model(&Broken{}).Count(&n).Error)
+		if n != 0 || len(b.records(t)) != 0 {
+			t.Fatalf("%d business rows and %d outbox rows committed, want none", n, len(b.records(t)))
+		}
+	})
+}
+
+func TestOverlongFieldsFailTheSameOnEveryEngine(t *testing.T) {
+	long := strings.Repeat("x", 5000)
+	cases := map[string]outbox.Event{
+		"AggregateID":    {Type: "t", AggregateType: "order", AggregateID: long},
+		"AggregateType":  {Type: "t", AggregateType: long, AggregateID: "1"},
+		"Type":           {Type: long, AggregateType: "order", AggregateID: "1"},
+		"IdempotencyKey": {Type: "t", AggregateType: "order", AggregateID: "1", IdempotencyKey: long},
+		"ID":             {ID: long, Type: "t", AggregateType: "order", AggregateID: "1"},
+	}
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		for field, ev := range cases {
+			err := outbox.Publish(b.db, ev)
+			if !errors.Is(err, outbox.ErrInvalidEvent) || !strings.Contains(err.Error(), field+" is 5000 characters long") {
+				t.Errorf("%s: err = %v, want ErrInvalidEvent naming the field", field, err)
+			}
+			if err != nil && len(err.Error()) > 300 {
+				t.Errorf("%s: the error is %d bytes long: it echoes the input", field, len(err.Error()))
+			}
+		}
+		// At the limit, the event is stored.
+		ev := outbox.Event{Type: strings.Repeat("t", outbox.MaxEventTypeLength), AggregateType: strings.Repeat("é", outbox.MaxAggregateTypeLength),
+			AggregateID: strings.Repeat("漢", outbox.MaxAggregateIDLength), IdempotencyKey: strings.Repeat("k", outbox.MaxIdempotencyKeyLength)}
+		mustNil(t, outbox.Publish(b.db, ev))
+		if n := len(b.records(t)); n != 1 {
+			t.Fatalf("%d outbox rows, want the event at the limits", n)
+		}
+	})
 }
 
 func TestInvalidEventFailsWriteAndWritesNothing(t *testing.T) {

@@ -105,7 +105,7 @@ func runDispatch(ctx context.Context, e *env, c config, r *report) error {
 		groups = append(groups, g)
 	}
 
-	var rows [][]string
+	var rows, work [][]string
 	for _, g := range groups {
 		results, err := drainRepeated(g, c.repeat)
 		if err != nil {
@@ -123,11 +123,14 @@ func runDispatch(ctx context.Context, e *env, c config, r *report) error {
 				note = "timed out, partial"
 			}
 			rows = append(rows, []string{spec.system, spec.config, fmt.Sprintf("%d", res.done), res.elapsed.Round(time.Millisecond).String(), f1(res.rate()), strings.Join(rates, " "), note})
+			work = append(work, workRow(spec.system, spec.config, results[i]))
 			r.note("  %s, %s: median of %d drains %.1f events/s (each: %s) %s", spec.system, spec.config, len(rates), res.rate(), strings.Join(rates, ", "), note)
 		}
 	}
 	r.table(fmt.Sprintf("dispatch throughput, backlog of %d events over %d aggregates, no-op publisher, median of %d drains", c.backlog, c.aggregates, c.repeat),
 		[]string{"system", "configuration", "events", "time", "events/s", "each drain", ""}, rows)
+	r.table(fmt.Sprintf("dispatch work asked of the server, median of %d drains (work.go says how each is counted; WAL is the whole server's)", c.repeat),
+		workHeader, work)
 	dispatchRatios(c, r)
 	return nil
 }
@@ -202,11 +205,14 @@ func dispatchRatios(c config, r *report) {
 	}
 }
 
-// drainResult is how long a drain took and how much it moved.
+// drainResult is how long a drain took and how much it moved, in how
+// many batches, and, where measured, the work it asked of the server.
 type drainResult struct {
 	done     int
+	batches  int
 	elapsed  time.Duration
 	timedOut bool
+	work     *serverWork
 }
 
 func (d drainResult) rate() float64 { return rate(d.done, d.elapsed) }
@@ -231,6 +237,7 @@ func drainLoop(ctx context.Context, workers, total int, step func(ctx context.Co
 		errOnce  sync.Once
 		firstErr error
 		doneAt   atomic.Int64
+		batches  atomic.Int64
 	)
 	start := time.Now()
 	for w := range workers {
@@ -244,6 +251,9 @@ func drainLoop(ctx context.Context, workers, total int, step func(ctx context.Co
 						errOnce.Do(func() { firstErr = err; cancel() })
 					}
 					return
+				}
+				if k > 0 {
+					batches.Add(1)
 				}
 				if moved.Add(int64(k)) >= int64(total) {
 					doneAt.CompareAndSwap(0, int64(time.Since(start)))
@@ -262,7 +272,7 @@ func drainLoop(ctx context.Context, workers, total int, step func(ctx context.Co
 	if firstErr != nil {
 		return drainResult{}, firstErr
 	}
-	res := drainResult{done: int(moved.Load()), elapsed: time.Duration(doneAt.Load())}
+	res := drainResult{done: int(moved.Load()), batches: int(batches.Load()), elapsed: time.Duration(doneAt.Load())}
 	if res.elapsed == 0 {
 		if err := ctx.Err(); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 			return drainResult{}, err
@@ -308,7 +318,9 @@ func pgOutboxDrainOnce(ctx context.Context, e *env, label string, n, aggregates 
 	if err := e.settle(ctx, sqlDB, "outbox_records", "outbox_records_sequences"); err != nil {
 		return drainResult{}, err
 	}
-	return drainChecked(ctx, sqlDB, func() (drainResult, error) { return fn(ctx, s) })
+	return drainChecked(ctx, sqlDB, func() (drainResult, error) {
+		return measureWork(ctx, s, sqlDB, func() (drainResult, error) { return fn(ctx, s) })
+	})
 }
 
 // sqliteDrain loads a backlog into the outbox table of a fresh SQLite file
@@ -462,8 +474,9 @@ func drainOutbox(ctx context.Context, open func() (*gorm.DB, error), dispatchers
 	defer cancel()
 	running, stop := context.WithCancel(ctx)
 	defer stop()
-	var published atomic.Int64
+	var published, batches atomic.Int64
 	counter := outbox.PublisherFunc(func(_ context.Context, b outbox.Batch) error {
+		batches.Add(1)
 		if published.Add(int64(len(b.Messages))) >= int64(n) {
 			stop()
 		}
@@ -493,7 +506,7 @@ func drainOutbox(ctx context.Context, open func() (*gorm.DB, error), dispatchers
 		}()
 	}
 	wg.Wait()
-	res := drainResult{done: int(min(published.Load(), int64(n))), elapsed: time.Since(start)}
+	res := drainResult{done: int(min(published.Load(), int64(n))), batches: int(batches.Load()), elapsed: time.Since(start)}
 	if res.done < n {
 		if err := ctx.Err(); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 			return drainResult{}, err

@@ -13,14 +13,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"gorm.io/driver/postgres"
 	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
-
-	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 )
 
 // env is the databases a run works in: an admin connection to the
@@ -77,11 +77,13 @@ func (e *env) describe(ctx context.Context) string {
 var schemaSeq atomic.Int64
 
 // schema is one scenario's PostgreSQL schema; DSN opens connections whose
-// search_path is that schema.
+// search_path is that schema and whose application_name is its name. The
+// connections that its openers hand out count what they send in work.
 type schema struct {
 	name string
 	DSN  string
 	e    *env
+	work clientWork
 }
 
 // newSchema creates a fresh schema for one scenario.
@@ -90,7 +92,7 @@ func (e *env) newSchema(ctx context.Context, label string) (*schema, error) {
 	if _, err := e.admin.ExecContext(ctx, `CREATE SCHEMA `+name); err != nil {
 		return nil, fmt.Errorf("create schema %s: %w", name, err)
 	}
-	return &schema{name: name, DSN: e.baseDSN + " search_path=" + name, e: e}, nil
+	return &schema{name: name, DSN: e.baseDSN + " search_path=" + name + " application_name=" + name, e: e}, nil
 }
 
 // drop removes the schema and everything in it. It runs even when the
@@ -104,19 +106,21 @@ func (s *schema) drop() {
 }
 
 // sqlDB opens a database/sql pool (pgx driver) in the schema.
-func (s *schema) sqlDB(maxConns int) (*sql.DB, error) { return openPool(s.DSN, maxConns) }
+func (s *schema) sqlDB(maxConns int) (*sql.DB, error) { return s.openPool(s.DSN, maxConns) }
 
 // sqlDBAsync is sqlDB with synchronous_commit off for every transaction
 // of the pool.
 func (s *schema) sqlDBAsync(maxConns int) (*sql.DB, error) {
-	return openPool(s.DSN+" synchronous_commit=off", maxConns)
+	return s.openPool(s.DSN+" synchronous_commit=off", maxConns)
 }
 
-func openPool(dsn string, maxConns int) (*sql.DB, error) {
-	db, err := sql.Open("pgx", dsn)
+func (s *schema) openPool(dsn string, maxConns int) (*sql.DB, error) {
+	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return nil, err
 	}
+	cfg.Tracer = s.work.tracer()
+	db := stdlib.OpenDB(*cfg)
 	db.SetMaxOpenConns(maxConns)
 	db.SetMaxIdleConns(maxConns)
 	return db, nil
@@ -129,12 +133,20 @@ func (s *schema) pgxPool(ctx context.Context, maxConns int) (*pgxpool.Pool, erro
 		return nil, err
 	}
 	cfg.MaxConns = int32(maxConns)
+	cfg.ConnConfig.Tracer = s.work.tracer()
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
-// gormDB opens GORM on the schema with a pool of maxConns connections.
+// gormDB opens GORM on the schema with a pool of maxConns connections. It
+// is opened from the DSN, as a user opens it, so that the library sees
+// the DSN (and the pgx driver) it expects.
 func (s *schema) gormDB(maxConns int) (*gorm.DB, error) {
-	return openGorm(postgres.Open(s.DSN), maxConns)
+	return openGorm(postgres.New(postgres.Config{DSN: s.DSN, OptionOpenDB: []stdlib.OptionOpenDB{
+		stdlib.OptionBeforeConnect(func(_ context.Context, cfg *pgx.ConnConfig) error {
+			cfg.Tracer = s.work.tracer()
+			return nil
+		}),
+	}}), maxConns)
 }
 
 // sqliteFile returns the DSN of a fresh SQLite file: WAL, a busy timeout
@@ -210,7 +222,9 @@ func (e *env) forceCheckpoint(ctx context.Context) {
 func serverGone(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		return strings.HasPrefix(pgErr.Code, "57P") || strings.HasPrefix(pgErr.Code, "08")
+		// 57P: shutdown, 08: connection, 53300: too many connections (a
+		// spell of other work on a shared server).
+		return strings.HasPrefix(pgErr.Code, "57P") || strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == "53300"
 	}
 	var connErr *pgconn.ConnectError
 	if errors.As(err, &connErr) || errors.Is(err, driver.ErrBadConn) || errors.Is(err, io.ErrUnexpectedEOF) {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -30,7 +31,7 @@ import (
 const latencyWriters = 8
 
 func runLatency(ctx context.Context, e *env, c config, r *report) error {
-	var rows [][]string
+	var rows, work [][]string
 	for _, mode := range []struct {
 		key, label string
 		notify     bool
@@ -49,9 +50,11 @@ func runLatency(ctx context.Context, e *env, c config, r *report) error {
 		r.add(prefix+"rate", res.rate, "events/s")
 		rows = append(rows, []string{mode.label, f1(res.rate), fmt.Sprintf("%d", res.n),
 			f2(ms(res.p50)), f2(ms(res.p95)), f2(ms(res.p99)), f2(ms(res.max)), res.note})
+		work = append(work, res.work.row(mode.label))
 	}
 	r.table(fmt.Sprintf("latency commit → publish, target %d events/s, %v per mode", c.rate, c.duration),
 		[]string{"dispatcher", "events/s", "events", "p50 ms", "p95 ms", "p99 ms", "max ms", ""}, rows)
+	r.table("latency: work asked of the server while writing, per event written (counted on the client)", latencyWorkHeader, work)
 	return nil
 }
 
@@ -60,6 +63,34 @@ type latencyResult struct {
 	rate               float64
 	p50, p95, p99, max time.Duration
 	note               string
+	work               latencyWork
+}
+
+// latencyWork is what the writer and the dispatcher sent while the writer
+// wrote events, and in how many batches the events were published.
+type latencyWork struct {
+	events, batches  int
+	elapsed          time.Duration
+	writer, dispatch workSample
+}
+
+var latencyWorkHeader = []string{"dispatcher", "events", "batches", "events/batch", "dispatcher stmts/event",
+	"dispatcher round trips/s", "dispatcher tx/event", "writer stmts/event", "writer tx/event"}
+
+func (w latencyWork) row(label string) []string {
+	if w.events == 0 || w.batches == 0 {
+		return []string{label, fmt.Sprintf("%d", w.events), fmt.Sprintf("%d", w.batches), "-", "-", "-", "-", "-", "-"}
+	}
+	per := func(n int64) string { return f2(float64(n) / float64(w.events)) }
+	return []string{label, fmt.Sprintf("%d", w.events), fmt.Sprintf("%d", w.batches),
+		f1(float64(w.events) / float64(w.batches)), per(w.dispatch.statements),
+		f1(float64(w.dispatch.roundTrips) / w.elapsed.Seconds()), per(w.dispatch.clientTx),
+		per(w.writer.statements), per(w.writer.clientTx)}
+}
+
+// clientSample reads s's client-side counters.
+func (s *schema) clientSample() workSample {
+	return workSample{statements: s.work.statements.Load(), roundTrips: s.work.roundTrips.Load(), clientTx: s.work.transactions.Load()}
 }
 
 // stamps records, per event id, when its commit returned and when it was
@@ -122,11 +153,15 @@ func measureLatency(ctx context.Context, e *env, c config, notify bool) (latency
 	}
 
 	st := &stamps{committed: map[string]time.Time{}, published: map[string]time.Time{}}
+	var batches atomic.Int64
 	pub := outbox.PublisherFunc(func(_ context.Context, b outbox.Batch) error {
+		batches.Add(1)
 		st.publish(b, time.Now())
 		return nil
 	})
-	dispDB, err := s.gormDB(4)
+	// The dispatcher's connections count apart from the writer's.
+	ds := &schema{name: s.name, DSN: s.DSN, e: s.e}
+	dispDB, err := ds.gormDB(4)
 	if err != nil {
 		return latencyResult{}, err
 	}
@@ -152,10 +187,13 @@ func measureLatency(ctx context.Context, e *env, c config, notify bool) (latency
 
 	warmup := min(time.Second, c.duration/5)
 	measureFrom := time.Now().Add(warmup)
+	writer0, dispatch0, batches0 := s.clientSample(), ds.clientSample(), batches.Load()
 	written, elapsed, err := pacedWrites(ctx, writer, c, warmup+c.duration, st)
 	if err != nil {
 		return latencyResult{}, err
 	}
+	work := latencyWork{events: written, batches: int(batches.Load() - batches0), elapsed: elapsed,
+		writer: s.clientSample().sub(writer0), dispatch: ds.clientSample().sub(dispatch0)}
 
 	// Wait for the last events: at most two poll intervals and a margin.
 	deadline := time.Now().Add(2*outbox.DefaultPollInterval + 5*time.Second)
@@ -186,6 +224,7 @@ func measureLatency(ctx context.Context, e *env, c config, notify bool) (latency
 		n:    len(lat),
 		rate: rate(written, elapsed),
 		p50:  percentile(lat, 50), p95: percentile(lat, 95), p99: percentile(lat, 99),
+		work: work,
 	}
 	if len(lat) > 0 {
 		res.max = lat[len(lat)-1]

@@ -58,7 +58,7 @@ type config struct {
 // The scenario names -only accepts. "dispatch" selects all its parts; a
 // part name selects that part alone.
 var (
-	scenarioNames = []string{"write", "dispatch", "latency", "backlog", "mysql"}
+	scenarioNames = []string{"write", "dispatch", "latency", "backlog", "nats", "amqp", "kafka", "redis", "mysql"}
 	dispatchParts = []string{"outbox", "raw", "river", "watermill", "sqlite"}
 )
 
@@ -280,6 +280,10 @@ func run(ctx context.Context, c config, out io.Writer) error {
 		{"dispatch", runDispatch},
 		{"latency", runLatency},
 		{"backlog", runBacklog},
+		{"nats", runBrokerNATS},
+		{"amqp", runBrokerAMQP},
+		{"kafka", runKafka},
+		{"redis", runRedis},
 		{"mysql", runMySQL},
 	}
 	for _, s := range steps {

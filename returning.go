@@ -1,0 +1,515 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"reflect"
+	"slices"
+	"strings"
+
+	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
+	"gorm.io/gorm/schema"
+)
+
+// What the database did. Events are built from the rows a write actually
+// changed, as the database reports them, not from the values the statement
+// was given: GORM builds the statement of a create, update or delete of an
+// emitting model as usual, but does not run it (outbox:returning_* makes
+// it a dry run); outbox:returned_* runs it with every column of the model
+// added to its RETURNING clause, hands GORM the columns it asked for
+// itself, so that GORM fills the models as it would have, and keeps the
+// rest: one stored row per row inserted, updated or deleted.
+//
+// Each returned row becomes a model value filled from the row: a copy of
+// the statement's own model for that row where there is one (found by
+// position when every row was written, by conflict target or primary key
+// otherwise), so that fields that are not columns (associations) stay as
+// the caller set them, or a fresh zero model (writes by condition, creates
+// from maps). A row an upsert updated is reported as an update: PostgreSQL
+// says so in RETURNING (xmax = 0 for a row the statement inserted); on
+// SQLite the plugin reads which of the statement's conflict keys exist
+// first, in the same transaction, which SQLite's single writer keeps true
+// until the upsert has run.
+
+// returnedRow is one row a write changed, as stored.
+type returnedRow struct {
+	values   []any // one per column of returned.cols, holders from the fields' value pools
+	inserted any   // the inserted flag's holder, where the engine reports one
+}
+
+// returned is what a statement's write reported.
+type returned struct {
+	cols []*schema.Field
+	rows []returnedRow
+	// existing holds the conflict keys that existed before an upsert ran,
+	// where the engine cannot say which rows it inserted (SQLite); nil
+	// otherwise.
+	existing map[string]bool
+	keys     []*schema.Field // the fields of those keys
+	upsert   bool            // the statement was an upsert that may update
+	op       Op              // the statement's kind
+}
+
+// returning makes the statement a dry run for GORM's own write callback,
+// so that outbox:returned_* runs it with the plugin's RETURNING columns.
+func (p *OutboxPlugin) returning(db *gorm.DB) {
+	st := stateOf(db)
+	if st == nil || db.Error != nil || db.DryRun {
+		return
+	}
+	st.config = db.Config
+	dry := *db.Config
+	dry.DryRun = true
+	db.Config = &dry
+}
+
+// returned runs the statement that GORM built, and records its rows.
+func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
+	return func(db *gorm.DB) {
+		st := stateOf(db)
+		if st == nil || st.config == nil {
+			return
+		}
+		db.Config, st.config = st.config, nil
+		stmt := db.Statement
+		if db.Error != nil || stmt.SQL.Len() == 0 {
+			return // GORM refused the statement, or it has nothing to write
+		}
+		d, err := dialectOf(db)
+		if err != nil {
+			_ = db.AddError(err)
+			return
+		}
+		r, err := p.run(db, d, op)
+		if err != nil {
+			_ = db.AddError(err)
+			return
+		}
+		st.returned = r
+	}
+}
+
+// run executes stmt's SQL with the plugin's RETURNING columns.
+func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
+	stmt := db.Statement
+	if !d.returnsRows(op) {
+		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
+	}
+	r := &returned{op: op}
+	for _, f := range stmt.Schema.Fields {
+		if f.DBName != "" && f.Readable {
+			r.cols = append(r.cols, f)
+		}
+	}
+	var extra strings.Builder
+	for i, f := range r.cols {
+		if i > 0 {
+			extra.WriteString(", ")
+		}
+		// Qualified: an UPDATE ... FROM has the other table's columns in
+		// scope too.
+		stmt.QuoteTo(&extra, clause.Column{Table: stmt.Table, Name: f.DBName})
+	}
+	if op == OpCreate {
+		if err := p.prepareUpsert(db, d, r); err != nil {
+			return nil, err
+		}
+		if r.upsert && r.keys == nil {
+			extra.WriteString(", " + d.insertedColumn())
+		}
+	}
+
+	// GORM's own RETURNING clause, if its statement has one, ends the
+	// statement on every engine the plugin supports; the plugin's columns
+	// follow GORM's.
+	gormReturning, mode := gormReturns(db, op)
+	query := stmt.SQL.String()
+	if gormReturning {
+		query += ", " + extra.String()
+	} else {
+		query += " RETURNING " + extra.String()
+	}
+	rows, err := stmt.ConnPool.QueryContext(stmt.Context, query, stmt.Vars...)
+	if err != nil {
+		return nil, err
+	}
+	cols, err := rows.Columns()
+	if err != nil {
+		rows.Close()
+		return nil, err
+	}
+	hr := &hidingRows{Rows: rows, shown: len(cols) - len(r.cols), r: r}
+	if r.upsert && r.keys == nil {
+		hr.shown--
+	}
+	// GORM scans the columns it asked for into the models, as it would
+	// have (an update of a value that cannot be addressed would make it
+	// panic).
+	scanned := false
+	switch {
+	case !gormReturning:
+	case op != OpUpdate:
+		gorm.Scan(hr, db, mode)
+		scanned = true
+	case stmt.ReflectValue.CanAddr():
+		dest := stmt.Dest
+		stmt.Dest = stmt.ReflectValue.Addr().Interface()
+		gorm.Scan(hr, db, mode)
+		stmt.Dest = dest
+		scanned = true
+	}
+	if err := hr.drain(); err != nil {
+		return nil, err
+	}
+	if !scanned {
+		db.RowsAffected = int64(len(r.rows))
+	}
+	if stmt.Result != nil {
+		stmt.Result.RowsAffected = db.RowsAffected
+	}
+	return r, nil
+}
+
+// gormReturns reports whether GORM's own statement has a RETURNING
+// clause, and how GORM would scan its rows into the models.
+func gormReturns(db *gorm.DB, op Op) (bool, gorm.ScanMode) {
+	stmt := db.Statement
+	c, ok := stmt.Clauses["RETURNING"]
+	if !ok || !slices.Contains(stmt.BuildClauses, "RETURNING") {
+		return false, 0
+	}
+	var mode gorm.ScanMode
+	ret, _ := c.Expression.(clause.Returning)
+	if len(ret.Columns) > 1 || (len(ret.Columns) == 1 && ret.Columns[0].Name != "*") {
+		mode = gorm.ScanUpdate
+	}
+	if op == OpCreate {
+		if oc, ok := upsertClause(stmt); ok {
+			if oc.DoNothing {
+				mode |= gorm.ScanOnConflictDoNothing
+			} else if len(oc.DoUpdates) > 0 || oc.UpdateAll {
+				mode |= gorm.ScanUpdate
+			}
+		}
+	}
+	return true, mode
+}
+
+func upsertClause(stmt *gorm.Statement) (clause.OnConflict, bool) {
+	c, ok := stmt.Clauses["ON CONFLICT"]
+	if !ok {
+		return clause.OnConflict{}, false
+	}
+	oc, ok := c.Expression.(clause.OnConflict)
+	return oc, ok
+}
+
+// prepareUpsert finds out, for a create that may update existing rows,
+// how the plugin will tell the rows it inserts from those it updates:
+// from the engine's inserted flag, or, where the engine has none, by
+// reading which of the statement's conflict keys exist before it runs.
+func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error {
+	stmt := db.Statement
+	oc, ok := upsertClause(stmt)
+	if !ok || oc.DoNothing || (len(oc.DoUpdates) == 0 && !oc.UpdateAll) {
+		return nil
+	}
+	r.upsert = true
+	if d.insertedColumn() != "" {
+		return nil
+	}
+	refuse := func(why string) error {
+		return fmt.Errorf("%w: upsert of %s on %s: %s; write the rows one by one, or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), why)
+	}
+	if len(oc.Columns) == 0 || oc.OnConstraint != "" {
+		return refuse("the plugin needs the conflict columns (clause.OnConflict{Columns: ...}) to tell updated rows from inserted ones")
+	}
+	for _, c := range oc.Columns {
+		f := stmt.Schema.LookUpField(c.Name)
+		if f == nil || f.DBName == "" {
+			return refuse(fmt.Sprintf("the conflict column %q is not a column of the model", c.Name))
+		}
+		r.keys = append(r.keys, f)
+	}
+	kr, ok := d.(existingKeyReader)
+	if !ok {
+		return refuse("the engine cannot tell updated rows from inserted ones")
+	}
+	models := modelsOf(stmt)
+	if models == nil {
+		return refuse("the rows are not model values")
+	}
+	existing, err := kr.existingKeys(stmt.Context, plainConn(stmt.ConnPool), stmt, r.keys, models)
+	if err != nil {
+		return fmt.Errorf("outbox: upsert of %s: read the existing rows: %w", stmt.Schema.Name, err)
+	}
+	r.existing = existing
+	return nil
+}
+
+// hidingRows hands GORM the columns it asked for, and keeps the plugin's
+// columns, which follow them, for each row read.
+type hidingRows struct {
+	*sql.Rows
+	shown   int // the columns GORM asked for
+	r       *returned
+	pending bool // Next moved to a row that Scan has not read
+}
+
+func (h *hidingRows) Columns() ([]string, error) {
+	c, err := h.Rows.Columns()
+	if err != nil {
+		return nil, err
+	}
+	return c[:h.shown], nil
+}
+
+func (h *hidingRows) ColumnTypes() ([]*sql.ColumnType, error) {
+	c, err := h.Rows.ColumnTypes()
+	if err != nil {
+		return nil, err
+	}
+	return c[:h.shown], nil
+}
+
+func (h *hidingRows) Next() bool {
+	h.pending = h.Rows.Next()
+	return h.pending
+}
+
+func (h *hidingRows) Scan(dest ...any) error {
+	row := returnedRow{values: make([]any, len(h.r.cols))}
+	all := make([]any, 0, len(dest)+len(row.values)+1)
+	all = append(all, dest...)
+	for i, f := range h.r.cols {
+		row.values[i] = f.NewValuePool.Get()
+		all = append(all, row.values[i])
+	}
+	if h.r.upsert && h.r.keys == nil {
+		row.inserted = new(any)
+		all = append(all, row.inserted)
+	}
+	if err := h.Rows.Scan(all...); err != nil {
+		return err
+	}
+	h.pending = false
+	h.r.rows = append(h.r.rows, row)
+	return nil
+}
+
+// drain reads the rows GORM left, then closes them.
+func (h *hidingRows) drain() error {
+	defer h.Rows.Close()
+	for h.pending || h.Next() {
+		ignore := make([]any, h.shown)
+		for i := range ignore {
+			ignore[i] = new(any)
+		}
+		if err := h.Scan(ignore...); err != nil {
+			return err
+		}
+	}
+	if err := h.Rows.Err(); err != nil {
+		return err
+	}
+	return h.Rows.Close()
+}
+
+// written is one row a write changed, as a model value filled from the
+// row, and what happened to it.
+type written struct {
+	model reflect.Value // addressable struct of the model type
+	op    Op
+}
+
+// rowsWritten turns the returned rows into model values, with what
+// happened to each.
+func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
+	op := r.op
+	ctx := stmt.Context
+	sch := stmt.Schema
+	models := modelsOf(stmt)
+	fresh := make([]reflect.Value, len(r.rows))
+	for i, row := range r.rows {
+		fresh[i] = reflect.New(sch.ModelType).Elem()
+		r.fill(ctx, fresh[i], row)
+	}
+	bases := make([]reflect.Value, len(r.rows))
+	switch {
+	case op == OpCreate && len(models) == len(r.rows):
+		copy(bases, models)
+	case len(models) > 0:
+		keys := sch.PrimaryFields
+		if oc, ok := upsertClause(stmt); ok && op == OpCreate && len(oc.Columns) > 0 {
+			keys = nil
+			for _, c := range oc.Columns {
+				if f := sch.LookUpField(c.Name); f != nil && f.DBName != "" {
+					keys = append(keys, f)
+				}
+			}
+			if len(keys) != len(oc.Columns) {
+				keys = sch.PrimaryFields
+			}
+		}
+		byKey := make(map[string]reflect.Value, len(models))
+		for _, m := range models {
+			if k, ok := keyOf(ctx, keys, m); ok {
+				byKey[k] = m
+			}
+		}
+		for i := range fresh {
+			if k, ok := keyOf(ctx, keys, fresh[i]); ok {
+				bases[i] = byKey[k]
+			}
+		}
+	}
+	out := make([]written, len(r.rows))
+	for i, row := range r.rows {
+		m := fresh[i]
+		if bases[i].IsValid() {
+			m = reflect.New(sch.ModelType).Elem()
+			m.Set(bases[i])
+			r.fill(ctx, m, row)
+		}
+		out[i] = written{model: m, op: op}
+		if op == OpCreate && r.upsert && r.updated(ctx, fresh[i], row) {
+			out[i].op = OpUpdate
+		}
+	}
+	for _, row := range r.rows {
+		for j, f := range r.cols {
+			f.NewValuePool.Put(row.values[j])
+		}
+	}
+	return out
+}
+
+// fill sets m's columns from row.
+func (r *returned) fill(ctx context.Context, m reflect.Value, row returnedRow) {
+	for j, f := range r.cols {
+		_ = f.Set(ctx, m, row.values[j]) // the driver scanned the value into the field's own holder
+	}
+}
+
+// updated reports whether an upsert updated the row rather than inserted
+// it.
+func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow) bool {
+	if r.keys != nil {
+		return r.existing[keyText(ctx, r.keys, fresh)]
+	}
+	switch v := (*row.inserted.(*any)).(type) {
+	case bool:
+		return !v
+	case int64:
+		return v == 0
+	}
+	return false
+}
+
+// keyOf returns a text key of m's values of fields, and whether there are
+// fields and none of the values is zero.
+func keyOf(ctx context.Context, fields []*schema.Field, m reflect.Value) (string, bool) {
+	if len(fields) == 0 {
+		return "", false
+	}
+	for _, f := range fields {
+		if _, zero := f.ValueOf(ctx, m); zero {
+			return "", false
+		}
+	}
+	return keyText(ctx, fields, m), true
+}
+
+// keyText returns a text key of m's values of fields.
+func keyText(ctx context.Context, fields []*schema.Field, m reflect.Value) string {
+	var b strings.Builder
+	for _, f := range fields {
+		v, _ := f.ValueOf(ctx, m)
+		fmt.Fprintf(&b, "%v\x00", reflect.Indirect(reflect.ValueOf(v)))
+	}
+	return b.String()
+}
+
+// modelsOf returns the model values a statement holds (its struct, or the
+// elements of its slice or array), addressable, or nil when it holds none
+// of the model's type (a map, a model of another type).
+func modelsOf(stmt *gorm.Statement) []reflect.Value {
+	var out []reflect.Value
+	eachModel(stmt.ReflectValue, func(m reflect.Value) {
+		if m.Type() == stmt.Schema.ModelType {
+			out = append(out, m)
+		}
+	})
+	return out
+}
+
+// existingKeyReader is a dialect that tells an upsert's updates from its
+// inserts by reading, before the upsert, which of its conflict keys exist.
+type existingKeyReader interface {
+	// existingKeys returns the keyText keys of the models' values of keys
+	// that exist in the statement's table, read through conn inside the
+	// statement's transaction so that they stay true until the upsert.
+	existingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value) (map[string]bool, error)
+}
+
+// existingChunk is how many rows one read of existing conflict keys names.
+const existingChunk = 200
+
+// readExistingKeys reads which of the models' values of keys exist in the
+// statement's table, with lock appended to each read (a row lock where the
+// engine has one), and returns them as keyText keys.
+func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value, bind func(string) string, lock string) (map[string]bool, error) {
+	var cols strings.Builder
+	for i, f := range keys {
+		if i > 0 {
+			cols.WriteString(", ")
+		}
+		stmt.QuoteTo(&cols, f.DBName)
+	}
+	tuple := "(?" + strings.Repeat(", ?", len(keys)-1) + ")"
+	existing := make(map[string]bool)
+	for start := 0; start < len(models); start += existingChunk {
+		chunk := models[start:min(start+existingChunk, len(models))]
+		args := make([]any, 0, len(chunk)*len(keys))
+		for _, m := range chunk {
+			for _, f := range keys {
+				v, _ := f.ValueOf(ctx, m)
+				args = append(args, v)
+			}
+		}
+		query := "SELECT " + cols.String() + " FROM " + stmt.Quote(stmt.Table) +
+			" WHERE (" + cols.String() + ") IN (VALUES " + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + lock
+		rows, err := conn.QueryContext(ctx, bind(query), args...)
+		if err != nil {
+			return nil, err
+		}
+		for rows.Next() {
+			holders := make([]any, len(keys))
+			for i, f := range keys {
+				holders[i] = f.NewValuePool.Get()
+			}
+			if err := rows.Scan(holders...); err != nil {
+				rows.Close()
+				return nil, err
+			}
+			m := reflect.New(stmt.Schema.ModelType).Elem()
+			for i, f := range keys {
+				_ = f.Set(ctx, m, holders[i])
+				f.NewValuePool.Put(holders[i])
+			}
+			existing[keyText(ctx, keys, m)] = true
+		}
+		if err := rows.Err(); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		if err := rows.Close(); err != nil {
+			return nil, err
+		}
+	}
+	return existing, nil
+}
