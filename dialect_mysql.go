@@ -83,8 +83,8 @@ func mysqlJSON(v any) string {
 // The columns JSON_TABLE reads a list into, and a time argument of p.
 const (
 	mysqlIDs    = `'$[*]' COLUMNS (id BIGINT PATH '$')`
-	mysqlTexts  = `'$[*]' COLUMNS (v VARBINARY(1024) PATH '$')`
-	mysqlEvents = `'$[*]' COLUMNS (i FOR ORDINALITY, typ VARBINARY(255) PATH '$[0]', agg VARBINARY(1024) PATH '$[1]', seq BIGINT PATH '$[2]')`
+	mysqlTexts  = `'$[*]' COLUMNS (v VARBINARY(1020) PATH '$')`
+	mysqlEvents = `'$[*]' COLUMNS (i FOR ORDINALITY, typ VARBINARY(1020) PATH '$[0]', agg VARBINARY(1020) PATH '$[1]', seq BIGINT PATH '$[2]')`
 	mysqlTime   = `CAST(? AS DATETIME(6))`
 )
 
@@ -110,10 +110,17 @@ ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,
 
-		undelivered: `SELECT EXISTS (
-	SELECT 1 FROM ` + r + ` x
-	WHERE x.aggregate_type = u.typ AND x.undelivered_id = u.agg AND x.aggregate_sequence = u.seq)
-FROM JSON_TABLE(?1, ` + mysqlEvents + `) u
+		undelivered: `SELECT (
+	SELECT CASE
+		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
+		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= ?1 AND p.next_attempt_at <= (
+			SELECT n.next_attempt_at FROM ` + r + ` n
+			WHERE n.aggregate_type = p.aggregate_type AND n.undelivered_id = p.aggregate_id
+				AND n.aggregate_sequence = p.aggregate_sequence + 1) THEN 'flight'
+		ELSE 'waits' END
+	FROM ` + r + ` p
+	WHERE p.aggregate_type = u.typ AND p.undelivered_id = u.agg AND p.aggregate_sequence = u.seq)
+FROM JSON_TABLE(?2, ` + mysqlEvents + `) u
 ORDER BY u.i`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
@@ -193,6 +200,7 @@ FROM (
 	SELECT m.bt, m.ba, m.hs, h.next_attempt_at AS next_at, CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
 			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > m.at OR m.hs < m.ws) THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= m.at AND m.hs < m.ws THEN 'delivering'
 		END AS state
 	FROM (
 		SELECT s.bt, s.ba, s.ws, s.at, (SELECT x.aggregate_sequence FROM ` + r + ` x

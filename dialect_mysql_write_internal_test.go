@@ -190,8 +190,8 @@ func TestMySQLRefusedValuesAreInvalidEventsAndLeaveNoSequence(t *testing.T) {
 		name string
 		edit func(e *encodedEvent)
 	}{
-		{"aggregate id over its width", func(e *encodedEvent) { e.aggregateID = strings.Repeat("x", 1025) }},
-		{"idempotency key over its width", func(e *encodedEvent) { e.key = strings.Repeat("x", 1025) }},
+		{"aggregate id over its width", func(e *encodedEvent) { e.aggregateID = strings.Repeat("x", 1021) }},
+		{"idempotency key over its width", func(e *encodedEvent) { e.key = strings.Repeat("x", 1021) }},
 		{"payload not UTF-8", func(e *encodedEvent) { e.payload = "\"\xff\"" }},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -8,7 +8,8 @@
 -- on PostgreSQL and SQLite. A character column compares under a collation,
 -- and every _ci one makes 'Key' the idempotency key 'key'; even the _bin
 -- ones pad, making 'key ' a duplicate of 'key' in a unique index. Widths
--- are in bytes and are the limits that event validation enforces.
+-- are in bytes: 1020, the UTF-8 of the 255 characters that event
+-- validation allows, and within InnoDB's 3072-byte index keys.
 --
 -- MySQL has no partial indexes. In their place, generated columns that are
 -- NULL outside the rows an index serves. The claim reads due_at <= now in
@@ -20,12 +21,12 @@
 -- that stays NULL costs no index write when other columns change.
 CREATE TABLE IF NOT EXISTS outbox_records (
 	id                 BIGINT        NOT NULL AUTO_INCREMENT,
-	event_id           VARBINARY(1024) NOT NULL,
-	event_type         VARBINARY(255)  NOT NULL,
-	aggregate_type     VARBINARY(255)  NOT NULL,
-	aggregate_id       VARBINARY(1024) NOT NULL,
+	event_id           VARBINARY(1020) NOT NULL,
+	event_type         VARBINARY(1020) NOT NULL,
+	aggregate_type     VARBINARY(1020) NOT NULL,
+	aggregate_id       VARBINARY(1020) NOT NULL,
 	aggregate_sequence BIGINT        NOT NULL,
-	idempotency_key    VARBINARY(1024) NOT NULL,
+	idempotency_key    VARBINARY(1020) NOT NULL,
 	payload            JSON          NOT NULL,
 	headers            JSON,
 	delivery_state     VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NOT NULL DEFAULT 'pending'
@@ -46,7 +47,7 @@ CREATE TABLE IF NOT EXISTS outbox_records (
 		THEN GREATEST(next_attempt_at, COALESCE(locked_until, next_attempt_at)) END) STORED,
 	-- undelivered_id: the aggregate of a row not delivered yet; NULL once
 	-- delivered, which takes the row out of its aggregate's index prefix.
-	undelivered_id     VARBINARY(1024) GENERATED ALWAYS AS (CASE
+	undelivered_id     VARBINARY(1020) GENERATED ALWAYS AS (CASE
 		WHEN delivery_state <> 'delivered' THEN aggregate_id END) STORED,
 	-- failed_at: when a failed row failed; NULL for every other row.
 	failed_at          DATETIME(6) GENERATED ALWAYS AS (CASE
@@ -67,8 +68,8 @@ CREATE TABLE IF NOT EXISTS outbox_records (
 ) ENGINE = InnoDB DEFAULT CHARACTER SET = utf8mb4;
 
 CREATE TABLE IF NOT EXISTS outbox_records_sequences (
-	aggregate_type VARBINARY(255)  NOT NULL,
-	aggregate_id   VARBINARY(1024) NOT NULL,
+	aggregate_type VARBINARY(1020) NOT NULL,
+	aggregate_id   VARBINARY(1020) NOT NULL,
 	last_sequence  BIGINT NOT NULL,
 	PRIMARY KEY (aggregate_type, aggregate_id)
 ) ENGINE = InnoDB DEFAULT CHARACTER SET = utf8mb4;
