@@ -94,15 +94,18 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 // run executes stmt's SQL with the plugin's RETURNING columns.
 func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 	stmt := db.Statement
-	if !d.returnsRows(op) {
-		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
-			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
-	}
 	r := &returned{op: op}
 	for _, f := range stmt.Schema.Fields {
 		if f.DBName != "" && f.Readable {
 			r.cols = append(r.cols, f)
 		}
+	}
+	if !d.returnsRows(op) {
+		if (op == OpUpdate || op == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
+			return r, p.lockAndRead(db, r)
+		}
+		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
 	}
 	var extra strings.Builder
 	for i, f := range r.cols {
@@ -171,6 +174,61 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 		stmt.Result.RowsAffected = db.RowsAffected
 	}
 	return r, nil
+}
+
+// lockAndRead runs an update or a delete on an engine without RETURNING
+// for it (MySQL): in the statement's transaction, it first locks the rows
+// the statement's WHERE matches (SELECT ... FOR UPDATE, so that no other
+// transaction changes which rows those are), then runs the statement, and
+// reads the rows as stored: after an update, by primary key; for a delete,
+// the rows as they were, read with the lock.
+func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned) error {
+	stmt := db.Statement
+	pk := stmt.Schema.PrimaryFields[0]
+	read := func(where clause.Expression) error {
+		sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
+		cols := make([]clause.Column, len(r.cols))
+		for i, f := range r.cols {
+			cols[i] = clause.Column{Table: stmt.Table, Name: f.DBName}
+		}
+		sel.AddClause(clause.Select{Columns: cols})
+		sel.AddClause(clause.From{})
+		if where != nil {
+			sel.AddClause(clause.Where{Exprs: []clause.Expression{where}})
+		} else if w, ok := stmt.Clauses["WHERE"]; ok {
+			sel.Clauses["WHERE"] = w
+		}
+		sel.AddClause(clause.Locking{Strength: clause.LockingStrengthUpdate})
+		sel.Build("SELECT", "FROM", "WHERE", "FOR")
+		rows, err := stmt.ConnPool.QueryContext(stmt.Context, sel.SQL.String(), sel.Vars...)
+		if err != nil {
+			return err
+		}
+		return (&hidingRows{Rows: rows, r: r}).drain()
+	}
+	if err := read(nil); err != nil {
+		return err
+	}
+	res, err := stmt.ConnPool.ExecContext(stmt.Context, stmt.SQL.String(), stmt.Vars...)
+	if err != nil {
+		return err
+	}
+	if stmt.Result != nil {
+		stmt.Result.Result = res
+	}
+	if n, err := res.RowsAffected(); err == nil {
+		db.RowsAffected = n
+	}
+	if r.op == OpDelete || len(r.rows) == 0 {
+		return nil
+	}
+	idx := slices.Index(r.cols, pk)
+	ids := make([]any, len(r.rows))
+	for i, row := range r.rows {
+		ids[i] = row.values[idx]
+	}
+	r.rows = nil
+	return read(clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids})
 }
 
 // gormReturns reports whether GORM's own statement has a RETURNING
