@@ -40,7 +40,6 @@ import (
 func TestKillDispatchersMidFlight(t *testing.T) {
 	t.Parallel()
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		skipUpdatesOnMySQL(t, e)
 		b := setup(t, e, nil)
 		dir := t.TempDir()
 		cfg := helperConfig{Engine: e, DSN: b.info.DSN, Out: filepath.Join(dir, "accepted.jsonl"), Log: filepath.Join(dir, "dispatchers.jsonl"),

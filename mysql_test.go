@@ -160,13 +160,3 @@ func (c trackedConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	c.ids.add(c.role, id)
 	return conn, nil
 }
-
-// skipUpdatesOnMySQL skips a test that updates an emitting model on MySQL:
-// there the plugin refuses such updates (ErrUnidentifiedRows), since the
-// engine cannot return the rows an UPDATE wrote.
-func skipUpdatesOnMySQL(t *testing.T, e outboxtest.Engine) {
-	t.Helper()
-	if e == outboxtest.MySQL {
-		t.Skip("MySQL: updates of emitting models are refused (no UPDATE ... RETURNING)")
-	}
-}

@@ -15,7 +15,6 @@ import (
 // once, in order per aggregate.
 func TestDispatcherProcessesShareOneTable(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		skipUpdatesOnMySQL(t, e)
 		b := setup(t, e, nil)
 		out := filepath.Join(t.TempDir(), "accepted.jsonl")
 		for range 3 {

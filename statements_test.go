@@ -110,7 +110,9 @@ func TestWriteStatementCounts(t *testing.T) {
 		}, map[outboxtest.Engine]counts{outboxtest.SQLite: {3, 7}, outboxtest.Postgres: {3, 4}}},
 	}
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		skipUpdatesOnMySQL(t, e)
+		if e == outboxtest.MySQL {
+			t.Skip("MySQL: no statement counts recorded for this engine yet")
+		}
 		_, info := outboxtest.Open(t, e, nil)
 		for _, withPlugin := range []bool{false, true} {
 			raw := outboxtest.Reopen(t, info, nil)

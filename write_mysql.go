@@ -26,8 +26,8 @@ func mysqlFlavour(db *gorm.DB) mysqlDialect {
 }
 
 // returnsRows: on MariaDB, creates and deletes take RETURNING; updates
-// never do, on either server, and are refused before they run (issue: lock
-// and read the rows first).
+// never do, on either server: the plugin locks and reads the rows their
+// WHERE matches first.
 func (d mysqlDialect) returnsRows(op Op) bool { return d.mariadb && op != OpUpdate }
 
 // insertedColumn is empty: nothing in a row tells an upsert's insert from

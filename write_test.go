@@ -325,7 +325,6 @@ func TestWithoutEventsRunsWritesByConditionAndRecordsNothing(t *testing.T) {
 
 func TestGlobalWriteKeepsGormsMissingWhereClauseError(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		skipUpdatesOnMySQL(t, e)
 		b := setup(t, e, nil)
 		mustNil(t, b.db.Create(&[]Order{{Status: "a"}, {Status: "b"}}).Error)
 		if err := b.db.Model(&Order{}).Update("status", "x").Error; !errors.Is(err, gorm.ErrMissingWhereClause) {
@@ -591,7 +590,6 @@ func TestPublishRequiresPlugin(t *testing.T) {
 
 func TestRegisterEmitterGivesEventsToForeignType(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		skipUpdatesOnMySQL(t, e)
 		b := setup(t, e, nil)
 		mustNil(t, outbox.RegisterEmitter(b.plugin, func(f *Foreign, op outbox.Op) ([]outbox.Event, error) {
 			return []outbox.Event{{Type: "foreign." + string(op), AggregateType: "foreign", AggregateID: fmt.Sprint(f.ID), Payload: f}}, nil

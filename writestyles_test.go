@@ -454,7 +454,9 @@ func TestWritesRecordTheSameUnderEveryConfiguration(t *testing.T) {
 // plugin.
 func TestCallersReturningClauseStillFillsTheModel(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		skipUpdatesOnMySQL(t, e)
+		if e == outboxtest.MySQL {
+			t.Skip("MySQL: an UPDATE takes no RETURNING clause")
+		}
 		b := setup(t, e, nil)
 		mustNil(t, b.db.Create(&Order{Status: "a", Total: 1}).Error)
 		o := Order{ID: 1}
