@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"gorm.io/driver/mysql"
 	"gorm.io/driver/postgres"
 	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
@@ -48,7 +49,7 @@ the outbox's promises on the live table.`,
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	pf := root.PersistentFlags()
-	pf.StringVar(&g.db, "db", os.Getenv("OUTBOX_DB"), "database URL: sqlite:PATH, sqlite:file:..., postgres://... (default $OUTBOX_DB)")
+	pf.StringVar(&g.db, "db", os.Getenv("OUTBOX_DB"), "database URL: sqlite:PATH, sqlite:file:..., postgres://..., mysql://user@tcp(host:3306)/db (default $OUTBOX_DB)")
 	pf.StringVar(&g.table, "table", outbox.DefaultTable, "name of the outbox table")
 	pf.StringVarP(&g.output, "output", "o", "table", "how rows are printed: table or json")
 	root.AddCommand(statsCmd(g), listCmd(g), showCmd(g), requeueCmd(g), purgeCmd(g), migrateCmd(g), checkCmd(g), serveCmd(g))
@@ -68,10 +69,22 @@ func dialector(url string) (gorm.Dialector, error) {
 		return sqlite.Open(path), nil
 	case strings.HasPrefix(url, "postgres://"), strings.HasPrefix(url, "postgresql://"):
 		return postgres.Open(url), nil
-	case strings.HasPrefix(url, "mysql:"), strings.HasPrefix(url, "mariadb:"):
-		return nil, errors.New("--db: MySQL and MariaDB are not supported yet; they will be once the library's engine for them lands")
+	case strings.HasPrefix(url, "mysql://"), strings.HasPrefix(url, "mariadb://"):
+		dsn := url[strings.Index(url, "://")+3:]
+		if dsn == "" {
+			return nil, errors.New("--db: mysql:// needs a DSN, as in mysql://root@tcp(127.0.0.1:3306)/app")
+		}
+		// The outbox reads its DATETIME columns as times.
+		if !strings.Contains(dsn, "parseTime=") {
+			if strings.Contains(dsn, "?") {
+				dsn += "&parseTime=true"
+			} else {
+				dsn += "?parseTime=true"
+			}
+		}
+		return mysql.Open(dsn), nil
 	}
-	return nil, fmt.Errorf("--db: %q is not a database URL outboxctl knows: use sqlite:PATH or postgres://...", url)
+	return nil, fmt.Errorf("--db: %q is not a database URL outboxctl knows: use sqlite:PATH, postgres://... or mysql://...", url)
 }
 
 // sqliteFile returns the file a sqlite: URL names, or "" for a file: URI
