@@ -105,12 +105,22 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 				taken[row.id] = true
 			}
 			var runs []claimed
-			err = d.d.claimTx(ctx, d.db, func(q querier) error {
+			terr := d.d.claimTx(ctx, d.db, func(q querier) error {
 				var err error
 				runs, _, err = d.claimSteps(ctx, q, now, r.batchID, nil, true, taken)
 				return err
 			})
-			r.rows = append(r.rows, runs...)
+			switch {
+			case terr != nil && len(r.rows) == 0:
+				err = terr
+			case terr != nil:
+				// The window's rows are leased already: dispatch them
+				// rather than leave them until their lease passes.
+				d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took",
+					"batch_id", r.batchID, "messages", len(r.rows), "error", terr)
+			default:
+				r.rows = append(r.rows, runs...)
+			}
 		}
 	} else {
 		err = d.d.claimTx(ctx, d.db, func(q querier) error {

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -76,6 +77,10 @@ type dialect interface {
 	// checkPool reports why db's connection pool cannot serve a
 	// dispatcher's claims, if it cannot.
 	checkPool(db *gorm.DB) error
+	// lockConflict reports whether err is the server ending one of the
+	// dispatcher's own statements or transactions for a deadlock or a
+	// lock wait, which retryLocks runs again (MySQL); false elsewhere.
+	lockConflict(err error) bool
 	// rejectsData reports whether err is the engine refusing a value (bad
 	// encoding, a number out of range) rather than a failure of the
 	// database: the event is then invalid, not the write.
@@ -327,4 +332,32 @@ func tableNameOf(db *gorm.DB) string {
 func wakerOf(db *gorm.DB) (waker, bool) {
 	w, ok := db.Config.Plugins[pluginName].(waker)
 	return w, ok
+}
+
+// lockRetries is how many times the dispatcher's own transactions and
+// statements run again after the server ended them for a
+// deadlock or a lock wait timeout.
+const lockRetries = 5
+
+// retryLocks runs fn, again after a short pause while it fails with a lock
+// conflict that d reports (dialect.lockConflict; never on PostgreSQL or
+// SQLite), up to lockRetries more times. fn must be a whole transaction
+// or a statement that runs on its own: one that failed left nothing
+// behind. Business transactions are never retried here: their caller
+// gets the driver's error.
+func retryLocks(ctx context.Context, d dialect, fn func() error) error {
+	for attempt := 0; ; attempt++ {
+		err := fn()
+		if err == nil || !d.lockConflict(err) || attempt == lockRetries {
+			return err
+		}
+		// A pause that grows, and differs between the two sides of a
+		// deadlock, which both run again otherwise at once.
+		pause := time.Duration(attempt+1)*time.Millisecond + time.Duration(time.Now().UnixNano()%int64(time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(pause):
+		}
+	}
 }

@@ -301,6 +301,10 @@ func (postgresDialect) checkPool(db *gorm.DB) error {
 	return fmt.Errorf("the connection pool (%T) cannot begin transactions, which a claim needs", db.Statement.ConnPool)
 }
 
+// lockConflict: the dispatcher's statements never wait for a lock
+// long enough to be ended for it.
+func (postgresDialect) lockConflict(error) bool { return false }
+
 // rejectsData: SQLSTATE class 22 is "data exception".
 func (postgresDialect) rejectsData(err error) bool {
 	var pgErr *pgconn.PgError

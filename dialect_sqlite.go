@@ -233,6 +233,10 @@ func (sqliteDialect) checkPool(db *gorm.DB) error {
 
 func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
 
+// lockConflict: the dispatcher's statements never wait for a lock
+// long enough to be ended for it.
+func (sqliteDialect) lockConflict(error) bool { return false }
+
 // rejectsData: SQLite stores any text it is given; encode has checked it.
 func (sqliteDialect) rejectsData(error) bool { return false }
 

@@ -130,8 +130,8 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 		res sql.Result
 		err error
 	)
-	// A settle runs again after a MySQL deadlock or lock wait timeout.
-	err = retryLocks(ctx, func() (err error) {
+	// A settle runs again after a deadlock or lock wait timeout (MySQL).
+	err = retryLocks(ctx, d.d, func() (err error) {
 		if k.state == StateDelivered {
 			res, err = d.pool().ExecContext(ctx, d.st.settleDelivered, ts, batchID, d.d.idList(ids))
 			return err
