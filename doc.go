@@ -80,4 +80,8 @@
 // dispatcher's claims and settles commit without waiting for their WAL to
 // be flushed: a crash of the server may forget the last of them, and their
 // events are delivered again, which at-least-once delivery allows.
+// MySQL 8.0+ and MariaDB 10.6+ are production engines too (tested on
+// MariaDB): claims run under READ COMMITTED with SKIP LOCKED, and updates
+// of emitting models lock and read their rows, since neither engine has
+// UPDATE ... RETURNING.
 package outbox
