@@ -88,9 +88,11 @@ func closeDB(db *gorm.DB) {
 var mysqlSeq atomic.Int64
 
 // openMySQL creates a database of its own on the server named by
-// OUTBOX_MYSQL_DSN and drops it when t ends.
+// OUTBOX_MYSQL_DSN and drops it when t ends, holding the server meanwhile
+// against restarts by other packages' tests.
 func openMySQL(t testing.TB) (*gorm.DB, testDB) {
 	t.Helper()
+	outboxtest.UseServer(t, outboxtest.MySQL)
 	base := mysqlDSN()
 	cfg, err := gomysql.ParseDSN(base)
 	if err != nil {

@@ -31,11 +31,13 @@ func MySQLDSN() string {
 
 // OpenMySQL returns a fresh, empty database of its own on the server named
 // by OUTBOX_MYSQL_DSN (CREATE DATABASE outbox_test_<pid>_<n>, utf8mb4),
-// opened with cfg (nil for the defaults), and drops it when t ends. When
-// the server does not answer, t skips with a message naming the variable,
-// or fails under CI=true.
+// opened with cfg (nil for the defaults), and drops it when t ends; t
+// holds the server meanwhile (UseServer). When the server does not
+// answer, t skips with a message naming the variable, or fails under
+// CI=true.
 func OpenMySQL(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
 	t.Helper()
+	UseServer(t, MySQL)
 	base := MySQLDSN()
 	conf, err := mysqldriver.ParseDSN(base)
 	if err != nil {

@@ -2,7 +2,9 @@
 // temporary SQLite file, a PostgreSQL schema of its own on the server
 // named by OUTBOX_POSTGRES_DSN, and a MySQL database of its own on the
 // server named by OUTBOX_MYSQL_DSN (mysql.go). Each call returns an
-// isolated database that is removed when the test ends.
+// isolated database that is removed when the test ends, and keeps tests
+// in other processes from restarting that server meanwhile
+// (serverlock.go).
 package outboxtest
 
 import (
@@ -59,7 +61,8 @@ type DB struct {
 }
 
 // Open returns a fresh, empty database on engine e, opened with cfg (nil
-// for the defaults), and removes it when t ends.
+// for the defaults), and removes it when t ends. On a server, t holds it
+// until then (UseServer).
 func Open(t testing.TB, e Engine, cfg *gorm.Config) (*gorm.DB, DB) {
 	t.Helper()
 	switch e {
@@ -135,6 +138,7 @@ var schemaSeq atomic.Int64
 
 func openPostgres(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
 	t.Helper()
+	UseServer(t, Postgres)
 	base := PostgresDSN()
 	admin, err := sql.Open("pgx", base)
 	if err == nil {
