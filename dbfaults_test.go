@@ -65,9 +65,10 @@ func TestPostgresConnectionsTerminatedMidRun(t *testing.T) {
 // TestPostgresServerRestartMidRun restarts the PostgreSQL server under four
 // writers and two dispatchers (pg_ctlcluster restart, a fast shutdown that
 // flushes the WAL). It does not run in parallel with anything (no
-// t.Parallel, here or in a subtest), waits for the server to accept
-// connections again, and skips when the machine does not allow the
-// restart. The dispatchers must recover by themselves, with the same
+// t.Parallel, here or in a subtest), keeps other processes' tests off the
+// server while it restarts it (outboxtest.ExclusiveServer), waits for the
+// server to accept connections again, and skips when the machine does not
+// allow the restart. The dispatchers must recover by themselves, with the same
 // guarantees as under terminated connections.
 func TestPostgresServerRestartMidRun(t *testing.T) {
 	serverRestartMidRun(t, "fast")
@@ -95,6 +96,9 @@ func serverRestartMidRun(t *testing.T, mode string) {
 	}
 	before, err := startedAt()
 	mustNil(t, err)
+	// Other packages' tests use the server too: they wait, and it waits
+	// for theirs to end, until it answers again.
+	release := outboxtest.ExclusiveServer(t, outboxtest.Postgres, 2*time.Minute)
 	time.Sleep(500 * time.Millisecond)
 	// A settle committed a second before the crash has been flushed by
 	// then (by the WAL writer, and by the writers' synchronous commits).
@@ -106,6 +110,7 @@ func serverRestartMidRun(t *testing.T, mode string) {
 	down := time.Since(began)
 	back := waitForServer(t, 60*time.Second)
 	upAgain := time.Since(began)
+	release()
 	if err != nil {
 		r.abort()
 		if !back {
