@@ -14,6 +14,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/inbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
 
 // Shipment is the consumer's own state in the tests: one row per applied
@@ -27,7 +28,7 @@ type Shipment struct {
 
 // newConsumer opens a fresh database on e with the consumer's table and a
 // migrated inbox.
-func newConsumer(t *testing.T, e engine, opts ...inbox.Option) (*gorm.DB, *inbox.Inbox, testDB) {
+func newConsumer(t *testing.T, e engine, opts ...inbox.Option) (*gorm.DB, *inbox.Inbox, outboxtest.DB) {
 	t.Helper()
 	db, info := openDB(t, e)
 	if err := db.AutoMigrate(&Shipment{}); err != nil {
