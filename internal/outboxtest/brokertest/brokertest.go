@@ -6,6 +6,11 @@
 //     fail policy ([Server]);
 //   - messages and batches over aggregates as a dispatcher hands them to a
 //     publisher ([Message], [Interleaved], [Publish], [Failures]);
+//   - the publisher-side promises: invalid options refused, an oversized
+//     message failed permanently and its aggregate held back, a deadline
+//     that cuts a batch or ends a wait for an answer ([CheckNewRejects],
+//     [CheckOversizedMessageFails], [CheckDeadlineCutsTheBatch],
+//     [CheckUnansweredBatchFailsByTheDeadline]);
 //   - reading what a consumer got as CloudEvents through the SDK and
 //     checking their attributes ([Binary], [Event], [CheckEvent]);
 //   - the consumer-side promises: every committed event arrives, nothing
@@ -13,7 +18,8 @@
 //     [CheckInOrder]), and what a batch published twice leaves
 //     ([CheckDuplicateBatch]);
 //   - a dispatcher run end to end on a real SQLite outbox ([OpenOutbox],
-//     [WriteEvents], [Drain], [CheckOversizedEventIsDeadLettered]);
+//     [WriteEvents], [DeliverAll], [Dispatch],
+//     [CheckOversizedEventIsDeadLettered]);
 //   - dispatcher processes killed with SIGKILL and replaced ([Main],
 //     [Processes]).
 //

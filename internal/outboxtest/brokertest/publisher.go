@@ -134,9 +134,9 @@ func CheckUnansweredBatchFailsByTheDeadline(t testing.TB, p outbox.Publisher, de
 	}
 }
 
-// Rejected is a call of a publisher's New that must fail: with client
-// (the broker client New takes) and options, New must return an
-// outbox.ErrInvalidOption whose message names Naming.
+// Rejected is a call of a publisher's New that must fail: given Client
+// (the broker client New takes, its zero value for none) and Options, New
+// must return an outbox.ErrInvalidOption whose message names Naming.
 type Rejected[C, O any] struct {
 	Name    string // the subtest's name
 	Client  C
