@@ -14,6 +14,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/inbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
 )
 
 // Shipment is the consumer's own state in the tests: one row per applied
@@ -27,7 +28,7 @@ type Shipment struct {
 
 // newConsumer opens a fresh database on e with the consumer's table and a
 // migrated inbox.
-func newConsumer(t *testing.T, e engine, opts ...inbox.Option) (*gorm.DB, *inbox.Inbox, testDB) {
+func newConsumer(t *testing.T, e engine, opts ...inbox.Option) (*gorm.DB, *inbox.Inbox, outboxtest.DB) {
 	t.Helper()
 	db, info := openDB(t, e)
 	if err := db.AutoMigrate(&Shipment{}); err != nil {
@@ -68,6 +69,21 @@ func shipments(t testing.TB, db *gorm.DB) map[string]int {
 	return n
 }
 
+// checkAppliedOnce checks that db's consumer applied each of ids exactly
+// once, and no other message.
+func checkAppliedOnce(t testing.TB, db *gorm.DB, ids ...string) {
+	t.Helper()
+	got := shipments(t, db)
+	for _, id := range ids {
+		if got[id] != 1 {
+			t.Errorf("%s applied %d times, want 1", id, got[id])
+		}
+	}
+	if len(got) != len(ids) {
+		t.Errorf("%d message ids applied, want %d", len(got), len(ids))
+	}
+}
+
 // inboxRow is one row of the inbox table.
 type inboxRow struct {
 	MessageID   string
@@ -105,15 +121,7 @@ func TestReplayedDeliveriesChangeStateOnce(t *testing.T) {
 				}
 			}
 		}
-		got := shipments(t, db)
-		for _, id := range ids {
-			if got[id] != 1 {
-				t.Errorf("%s applied %d times, want 1", id, got[id])
-			}
-		}
-		if len(got) != len(ids) {
-			t.Errorf("%d message ids applied, want %d", len(got), len(ids))
-		}
+		checkAppliedOnce(t, db, ids...)
 		if rows := inboxRows(t, db, inbox.DefaultTable); len(rows) != len(ids) {
 			t.Errorf("inbox holds %d ids, want %d", len(rows), len(ids))
 		}
@@ -171,9 +179,7 @@ func TestConcurrentDeliveriesOfOneIDApplyOnce(t *testing.T) {
 		if n := calls.Load(); n != 1 {
 			t.Errorf("fn ran %d times, want 1", n)
 		}
-		if n := shipments(t, db)["evt-race"]; n != 1 {
-			t.Errorf("applied %d times, want 1", n)
-		}
+		checkAppliedOnce(t, db, "evt-race")
 	})
 }
 
@@ -203,9 +209,7 @@ func TestConcurrentDeliveryAppliesItselfWhenTheFirstRollsBack(t *testing.T) {
 		if n := calls.Load(); n != 2 {
 			t.Errorf("fn ran %d times, want 2 (the failed attempt and one more)", n)
 		}
-		if n := shipments(t, db)["evt-retry"]; n != 1 {
-			t.Errorf("applied %d times, want 1", n)
-		}
+		checkAppliedOnce(t, db, "evt-retry")
 	})
 }
 
@@ -235,9 +239,7 @@ func TestFailingHandlerLeavesNoRowAndRetryApplies(t *testing.T) {
 		if !handled || err != nil {
 			t.Fatalf("retry: Handle = %v, %v; want true, nil", handled, err)
 		}
-		if n := shipments(t, db)["evt-1"]; n != 1 {
-			t.Errorf("applied %d times, want 1", n)
-		}
+		checkAppliedOnce(t, db, "evt-1")
 		if _, ok := inboxRows(t, db, inbox.DefaultTable)["evt-1"]; !ok {
 			t.Error("inbox does not hold evt-1 after the retry")
 		}

@@ -26,6 +26,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/inbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest"
 	"github.com/gorm-outbox/outbox/outboxhttp"
 )
 
@@ -52,12 +53,12 @@ func TestMain(m *testing.M) {
 
 // helperCommand returns a command that runs the test binary as the helper
 // named role, with the database info names and the extra environment.
-func helperCommand(role string, info testDB, extra ...string) *exec.Cmd {
+func helperCommand(role string, info outboxtest.DB, extra ...string) *exec.Cmd {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(),
 		"INBOX_HELPER="+role,
-		"INBOX_HELPER_ENGINE="+string(info.engine),
-		"INBOX_HELPER_DSN="+info.dsn,
+		"INBOX_HELPER_ENGINE="+string(info.Engine),
+		"INBOX_HELPER_DSN="+info.DSN,
 	)
 	cmd.Env = append(cmd.Env, extra...)
 	cmd.Stderr = os.Stderr
@@ -65,8 +66,8 @@ func helperCommand(role string, info testDB, extra ...string) *exec.Cmd {
 }
 
 func helperDB() (*gorm.DB, error) {
-	info := testDB{engine: engine(os.Getenv("INBOX_HELPER_ENGINE")), dsn: os.Getenv("INBOX_HELPER_DSN")}
-	return gorm.Open(dialector(info), &gorm.Config{Logger: logger.Discard})
+	e := outboxtest.Engine(os.Getenv("INBOX_HELPER_ENGINE"))
+	return gorm.Open(outboxtest.Dialector(e, os.Getenv("INBOX_HELPER_DSN")), &gorm.Config{Logger: logger.Discard})
 }
 
 // consumerInside is the line a consumer process prints once its fn has
@@ -154,9 +155,7 @@ func TestConsumerKilledInsideHandlerAppliesOnceAfterRestart(t *testing.T) {
 		if handled, err := in.Handle(context.Background(), id, ship(id)); handled || err != nil {
 			t.Errorf("delivery after the restart: %v, %v; want false, nil", handled, err)
 		}
-		if n := shipments(t, db)[id]; n != 1 {
-			t.Errorf("applied %d times, want 1", n)
-		}
+		checkAppliedOnce(t, db, id)
 	})
 }
 
@@ -349,15 +348,7 @@ func TestEndToEndRedeliveredBatchesApplyOnce(t *testing.T) {
 		if duplicates.Load() == 0 {
 			t.Error("no message was delivered twice: the kills did not exercise the inbox")
 		}
-		got := shipments(t, consumer)
-		for _, id := range committed {
-			if got[id] != 1 {
-				t.Errorf("event %s applied %d times, want 1", id, got[id])
-			}
-		}
-		if len(got) != len(committed) {
-			t.Errorf("consumer applied %d distinct events, producer committed %d", len(got), len(committed))
-		}
+		checkAppliedOnce(t, consumer, committed...)
 		// Each order's events were applied in its sequence order.
 		var rows []Shipment
 		if err := consumer.Order("id").Find(&rows).Error; err != nil {

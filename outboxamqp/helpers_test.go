@@ -1,9 +1,6 @@
 package outboxamqp_test
 
 import (
-	"bytes"
-	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -11,23 +8,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cloudevents/sdk-go/v2/binding"
-	"github.com/cloudevents/sdk-go/v2/binding/spec"
 	"github.com/cloudevents/sdk-go/v2/event"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
 )
 
-// defaultAMQPURL is the server the tests use when OUTBOX_AMQP_URL is unset.
-const defaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+// amqpServer is the RabbitMQ server the tests use.
+var amqpServer = brokertest.Server{Name: "RabbitMQ", Env: "OUTBOX_AMQP_URL", Default: "amqp://guest:guest@127.0.0.1:5672/"}
 
-func amqpURL() string {
-	if u := os.Getenv("OUTBOX_AMQP_URL"); u != "" {
-		return u
-	}
-	return defaultAMQPURL
-}
+func amqpURL() string { return amqpServer.Addr() }
 
 // dial returns a connection to the test server, closed when t ends; it
 // skips the test when the server does not answer, or fails it under
@@ -36,10 +26,7 @@ func dial(t testing.TB) *amqp.Connection {
 	t.Helper()
 	conn, err := amqp.DialConfig(amqpURL(), amqp.Config{Dial: amqp.DefaultDial(3 * time.Second)})
 	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ at %q does not answer (CI=true, so this fails instead of skipping): %v", amqpURL(), err)
-		}
-		t.Skipf("skipping: no RabbitMQ server at %q (set OUTBOX_AMQP_URL): %v", amqpURL(), err)
+		amqpServer.Unreachable(t, err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn
@@ -117,118 +104,38 @@ func (tp topology) receive(t testing.TB, want int) []amqp.Delivery {
 	return out
 }
 
-// message returns event number seq of aggregate agg ("type/id").
-func message(agg string, seq int64) outbox.Message {
-	typ, id, _ := strings.Cut(agg, "/")
-	evID := fmt.Sprintf("%s-%s-%d-%d", typ, id, seq, time.Now().UnixNano())
-	return outbox.Message{
-		EventID: evID, EventType: typ + ".changed", AggregateType: typ, AggregateID: id,
-		Sequence: seq, IdempotencyKey: evID,
-		Payload:    json.RawMessage(fmt.Sprintf(`{"id":%q,"seq":%d}`, id, seq)),
-		OccurredAt: time.Date(2025, 3, 4, 5, 6, 7, 890000000, time.UTC).Add(time.Duration(seq) * time.Second),
-		Attempt:    1,
+// events takes every message from the queue as receive does, each as a
+// CloudEvent.
+func (tp topology) events(t testing.TB, want int) []*event.Event {
+	t.Helper()
+	var out []*event.Event
+	for _, d := range tp.receive(t, want) {
+		out = append(out, toEvent(t, d))
 	}
+	return out
 }
 
-// ceMessage is an AMQP delivery read as the CloudEvents AMQP binding reads
-// it (binary content mode): attributes from the cloudEvents_ headers,
-// datacontenttype from the content-type property.
-type ceMessage struct {
-	version spec.Version
-	attrs   map[string]string // lower-cased prefixed name -> value
-	data    []byte
-}
-
-var amqpVersions = spec.WithPrefix("cloudEvents_")
-
-func newCEMessage(d amqp.Delivery) (ceMessage, error) {
-	m := ceMessage{attrs: map[string]string{}, data: d.Body}
+// toEvent reads a delivery as the CloudEvents AMQP binding does in binary
+// content mode (each cloudEvents_ application property, case-insensitive,
+// is an attribute or extension and must be a string; the content-type
+// property is datacontenttype; the body is the data) and decodes it with
+// the SDK.
+func toEvent(t testing.TB, d amqp.Delivery) *event.Event {
+	t.Helper()
+	attrs := map[string]string{}
 	for name, v := range d.Headers {
-		lower := strings.ToLower(name)
-		if !strings.HasPrefix(lower, "cloudevents_") {
+		attr, ok := strings.CutPrefix(strings.ToLower(name), "cloudevents_")
+		if !ok {
 			continue
 		}
 		s, ok := v.(string)
 		if !ok {
-			return m, fmt.Errorf("header %s is a %T, want a string", name, v)
+			t.Fatalf("header %s is a %T, want a string", name, v)
 		}
-		m.attrs[lower] = s
-	}
-	m.version = amqpVersions.Version(m.attrs[strings.ToLower(amqpVersions.PrefixedSpecVersionName())])
-	if m.version == nil {
-		return m, binding.ErrUnknownEncoding
+		attrs[attr] = s
 	}
 	if d.ContentType != "" {
-		m.attrs[strings.ToLower(m.version.AttributeFromKind(spec.DataContentType).PrefixedName())] = d.ContentType
+		attrs["datacontenttype"] = d.ContentType
 	}
-	return m, nil
-}
-
-func (m ceMessage) ReadEncoding() binding.Encoding { return binding.EncodingBinary }
-
-func (m ceMessage) ReadStructured(context.Context, binding.StructuredWriter) error {
-	return binding.ErrNotStructured
-}
-
-func (m ceMessage) ReadBinary(ctx context.Context, w binding.BinaryWriter) error {
-	for name, v := range m.attrs {
-		var err error
-		if attr := m.version.Attribute(name); attr != nil {
-			err = w.SetAttribute(attr, v)
-		} else {
-			err = w.SetExtension(strings.TrimPrefix(name, "cloudevents_"), v)
-		}
-		if err != nil {
-			return err
-		}
-	}
-	return w.SetData(bytes.NewReader(m.data))
-}
-
-func (m ceMessage) GetAttribute(k spec.Kind) (spec.Attribute, interface{}) {
-	attr := m.version.AttributeFromKind(k)
-	if attr == nil {
-		return nil, nil
-	}
-	if v, ok := m.attrs[strings.ToLower(attr.PrefixedName())]; ok {
-		return attr, v
-	}
-	return attr, nil
-}
-
-func (m ceMessage) GetExtension(name string) interface{} {
-	if v, ok := m.attrs["cloudevents_"+name]; ok {
-		return v
-	}
-	return nil
-}
-
-func (m ceMessage) Finish(error) error { return nil }
-
-// toEvent decodes a delivery with the CloudEvents SDK and validates the
-// event.
-func toEvent(t testing.TB, d amqp.Delivery) *event.Event {
-	t.Helper()
-	msg, err := newCEMessage(d)
-	if err != nil {
-		t.Fatalf("not a binary-mode CloudEvent: %v (headers %v)", err, d.Headers)
-	}
-	e, err := binding.ToEvent(context.Background(), msg)
-	if err != nil {
-		t.Fatalf("CloudEvents SDK cannot read the message: %v (headers %v)", err, d.Headers)
-	}
-	if err := e.Validate(); err != nil {
-		t.Fatalf("CloudEvents SDK: invalid event: %v", err)
-	}
-	return e
-}
-
-// aggregateSequence reads the aggregatesequence extension of e.
-func aggregateSequence(t testing.TB, e *event.Event) string {
-	t.Helper()
-	v, ok := e.Extensions()["aggregatesequence"]
-	if !ok {
-		t.Fatalf("event %s has no aggregatesequence", e.ID())
-	}
-	return fmt.Sprint(v)
+	return brokertest.Event(t, brokertest.Binary{Attributes: attrs, Data: d.Body})
 }

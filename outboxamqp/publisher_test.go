@@ -1,17 +1,17 @@
 package outboxamqp_test
 
 import (
-	"context"
 	"errors"
-	"fmt"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/cloudevents/sdk-go/v2/event"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
 	"github.com/gorm-outbox/outbox/outboxamqp"
 )
 
@@ -31,26 +31,13 @@ func routeByAggregate(m outbox.Message) string { return m.AggregateType + "." + 
 func TestNewRejectsInvalidOptions(t *testing.T) {
 	t.Parallel()
 	conn := &amqp.Connection{} // never used: New does not contact the server
-	cases := []struct {
-		name string
-		conn *amqp.Connection
-		opts []outboxamqp.Option
-		want string
-	}{
-		{"nil connection", nil, nil, "conn"},
-		{"nil routing key function", conn, []outboxamqp.Option{outboxamqp.WithRoutingKey(nil)}, "WithRoutingKey"},
-		{"exchange with a space", conn, []outboxamqp.Option{outboxamqp.WithExchange("my exchange")}, "WithExchange"},
-		{"exchange too long", conn, []outboxamqp.Option{outboxamqp.WithExchange(strings.Repeat("x", 128))}, "WithExchange"},
-		{"empty source", conn, []outboxamqp.Option{outboxamqp.WithSource("")}, "WithSource"},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			_, err := outboxamqp.New(c.conn, c.opts...)
-			if !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), c.want) {
-				t.Fatalf("New = %v, want ErrInvalidOption naming %s", err, c.want)
-			}
-		})
-	}
+	brokertest.CheckNewRejects(t, outboxamqp.New, []brokertest.Rejected[*amqp.Connection, outboxamqp.Option]{
+		{Name: "nil connection", Naming: "conn"},
+		{Name: "nil routing key function", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithRoutingKey(nil)}, Naming: "WithRoutingKey"},
+		{Name: "exchange with a space", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithExchange("my exchange")}, Naming: "WithExchange"},
+		{Name: "exchange too long", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithExchange(strings.Repeat("x", 128))}, Naming: "WithExchange"},
+		{Name: "empty source", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithSource("")}, Naming: "WithSource"},
+	})
 }
 
 func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
@@ -59,12 +46,11 @@ func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange), outboxamqp.WithRoutingKey(routeByAggregate),
 		outboxamqp.WithSource("/shop/orders"))
 
-	m1 := message("order/42", 1)
+	m1 := brokertest.Message("order/42", 1)
 	m1.EventType = "order placed ünïcode"
 	m1.Headers = map[string]string{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-	m2 := message("order/42", 2)
-	b := outbox.Batch{ID: "b1", Messages: []outbox.Message{m1, m2}}
-	if err := p.Publish(context.Background(), b); err != nil {
+	msgs := []outbox.Message{m1, brokertest.Message("order/42", 2)}
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
 
@@ -73,7 +59,7 @@ func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
 		t.Fatalf("queue got %d messages, want 2", len(got))
 	}
 	for i, d := range got {
-		m := b.Messages[i]
+		m := msgs[i]
 		props := []struct{ name, got, want string }{
 			{"body", string(d.Body), string(m.Payload)},
 			{"MessageId", d.MessageId, m.EventID},
@@ -90,26 +76,7 @@ func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
 		if _, ok := d.Headers["cloudEvents_datacontenttype"]; ok {
 			t.Errorf("message %d: datacontenttype in a header; the binding carries it in content-type", i+1)
 		}
-		e := toEvent(t, d)
-		checks := []struct{ name, got, want string }{
-			{"id", e.ID(), m.EventID},
-			{"type", e.Type(), m.EventType},
-			{"source", e.Source(), "/shop/orders"},
-			{"specversion", e.SpecVersion(), "1.0"},
-			{"time", e.Time().UTC().Format(time.RFC3339Nano), m.OccurredAt.Format(time.RFC3339Nano)},
-			{"subject", e.Subject(), "order/42"},
-			{"datacontenttype", e.DataContentType(), "application/json"},
-			{"partitionkey", fmt.Sprint(e.Extensions()["partitionkey"]), "order/42"},
-			{"aggregatetype", fmt.Sprint(e.Extensions()["aggregatetype"]), "order"},
-			{"aggregateid", fmt.Sprint(e.Extensions()["aggregateid"]), "42"},
-			{"aggregatesequence", aggregateSequence(t, e), strconv.FormatInt(m.Sequence, 10)},
-			{"data", string(e.Data()), string(m.Payload)},
-		}
-		for _, c := range checks {
-			if c.got != c.want {
-				t.Errorf("message %d: %s = %q, want %q", i+1, c.name, c.got, c.want)
-			}
-		}
+		brokertest.CheckEvent(t, toEvent(t, d), m, "/shop/orders")
 	}
 	if tpv := got[0].Headers["traceparent"]; tpv != m1.Headers["traceparent"] {
 		t.Errorf("traceparent = %v, want the event's header unchanged", tpv)
@@ -120,28 +87,11 @@ func TestAggregateOrderHoldsOnTheConsumerSide(t *testing.T) {
 	t.Parallel()
 	tp := newTopology(t, "#")
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange), outboxamqp.WithRoutingKey(routeByAggregate))
-	var b outbox.Batch
-	for seq := int64(1); seq <= 50; seq++ {
-		for _, agg := range []string{"order/1", "order/2", "cart/9"} {
-			b.Messages = append(b.Messages, message(agg, seq))
-		}
-	}
-	if err := p.Publish(context.Background(), b); err != nil {
+	msgs := brokertest.Interleaved(50, "order/1", "order/2", "cart/9")
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
-	got := tp.receive(t, len(b.Messages))
-	last := map[string]int64{}
-	for _, d := range got {
-		e := toEvent(t, d)
-		seq, _ := strconv.ParseInt(aggregateSequence(t, e), 10, 64)
-		if seq != last[e.Subject()]+1 {
-			t.Fatalf("%s: sequence %d after %d", e.Subject(), seq, last[e.Subject()])
-		}
-		last[e.Subject()] = seq
-	}
-	if len(got) != len(b.Messages) {
-		t.Fatalf("queue got %d messages, want %d", len(got), len(b.Messages))
-	}
+	brokertest.CheckInOrder(t, tp.events(t, len(msgs)), msgs)
 }
 
 // RabbitMQ does not deduplicate: a batch published again reaches the
@@ -151,44 +101,33 @@ func TestDuplicateBatchIsDeliveredTwiceWithTheSameIDs(t *testing.T) {
 	t.Parallel()
 	tp := newTopology(t, "#")
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange))
-	b := outbox.Batch{ID: "b", Messages: []outbox.Message{message("order/1", 1), message("order/2", 1)}}
-	for range 2 {
-		if err := p.Publish(context.Background(), b); err != nil {
-			t.Fatal(err)
+	brokertest.CheckDuplicateBatch(t, p, 2, func() []*event.Event {
+		var events []*event.Event
+		for _, d := range tp.receive(t, 6) {
+			e := toEvent(t, d)
+			if e.ID() != d.MessageId {
+				t.Errorf("ce id %q, MessageId %q", e.ID(), d.MessageId)
+			}
+			events = append(events, e)
 		}
-	}
-	got := tp.receive(t, 4)
-	count := map[string]int{}
-	for _, d := range got {
-		count[d.MessageId]++
-		if id := toEvent(t, d).ID(); id != d.MessageId {
-			t.Errorf("ce id %q, MessageId %q", id, d.MessageId)
-		}
-	}
-	for _, m := range b.Messages {
-		if count[m.EventID] != 2 {
-			t.Errorf("%s arrived %d times, want 2", m.EventID, count[m.EventID])
-		}
-	}
+		return events
+	})
 }
 
 func TestUnroutableMessageIsNotAccepted(t *testing.T) {
 	t.Parallel()
 	tp := newTopology(t, "order.*")
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange), outboxamqp.WithRoutingKey(routeByAggregate))
-	lost := message("nobody/1", 1)
-	b := outbox.Batch{ID: "b", Messages: []outbox.Message{
-		message("order/1", 1), lost, message("nobody/1", 2), message("order/1", 2),
-	}}
-	err := p.Publish(context.Background(), b)
-	var pe *outbox.PartialError
-	if !errors.As(err, &pe) || len(pe.Failed) != 2 {
-		t.Fatalf("Publish = %v, want the unroutable message and the next of its aggregate failed", err)
+	lost := brokertest.Message("nobody/1", 1)
+	msgs := []outbox.Message{brokertest.Message("order/1", 1), lost, brokertest.Message("nobody/1", 2), brokertest.Message("order/1", 2)}
+	failed := brokertest.Failures(t, brokertest.Publish(t, p, msgs...))
+	if len(failed) != 2 {
+		t.Fatalf("failed = %v, want the unroutable message and the next of its aggregate", failed)
 	}
-	if e := pe.Failed[lost.EventID]; !errors.Is(e, outboxamqp.ErrReturned) || outbox.IsPermanent(e) {
+	if e := failed[lost.EventID]; !errors.Is(e, outboxamqp.ErrReturned) || outbox.IsPermanent(e) {
 		t.Errorf("unroutable message: %v, want a retryable ErrReturned", e)
 	}
-	if e := pe.Failed[b.Messages[2].EventID]; !errors.Is(e, outbox.ErrNotAttempted) {
+	if e := failed[msgs[2].EventID]; !errors.Is(e, outbox.ErrNotAttempted) {
 		t.Errorf("next message of its aggregate: %v, want ErrNotAttempted", e)
 	}
 	if got := tp.receive(t, 2); len(got) != 2 {
@@ -201,25 +140,12 @@ func TestOversizedMessageFailsPermanently(t *testing.T) {
 	tp := newTopology(t, "#")
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange))
 	// RabbitMQ's default max_message_size is 128 MiB.
-	big := message("order/1", 2)
-	big.Payload = make([]byte, 128<<20+1)
-	b := outbox.Batch{ID: "b", Messages: []outbox.Message{message("order/1", 1), big, message("order/1", 3)}}
-	err := p.Publish(context.Background(), b)
-	var pe *outbox.PartialError
-	if !errors.As(err, &pe) {
-		t.Fatalf("Publish = %v, want a PartialError", err)
-	}
-	if e := pe.Failed[big.EventID]; !outbox.IsPermanent(e) {
-		t.Fatalf("big message: %v, want a permanent failure", e)
-	}
-	if e := pe.Failed[b.Messages[2].EventID]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("next message of its aggregate: %v, want ErrNotAttempted", e)
-	}
-	if _, failed := pe.Failed[b.Messages[0].EventID]; failed {
-		t.Errorf("the message before it failed: %v", pe.Failed[b.Messages[0].EventID])
+	failed := brokertest.CheckOversizedMessageFails(t, p, make([]byte, 128<<20+1), nil)
+	if e, isFailed := failed[brokertest.Message("order/1", 1).EventID]; isFailed {
+		t.Errorf("the message before it failed: %v", e)
 	}
 	// The broker closed the channel; the next batch opens another.
-	if err := p.Publish(context.Background(), outbox.Batch{ID: "b2", Messages: []outbox.Message{message("order/2", 1)}}); err != nil {
+	if err := brokertest.Publish(t, p, brokertest.Message("order/2", 1)); err != nil {
 		t.Fatalf("next batch: %v", err)
 	}
 }
@@ -228,17 +154,14 @@ func TestClosedChannelIsReopenedOnTheNextBatch(t *testing.T) {
 	t.Parallel()
 	tp := newTopology(t, "#")
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange))
-	one := func(agg string) outbox.Batch {
-		return outbox.Batch{ID: "b", Messages: []outbox.Message{message(agg, 1)}}
-	}
-	if err := p.Publish(context.Background(), one("order/1")); err != nil {
+	if err := brokertest.Publish(t, p, brokertest.Message("order/1", 1)); err != nil {
 		t.Fatal(err)
 	}
 	// Without its exchange the broker closes the channel (404).
 	if err := tp.ch.ExchangeDelete(tp.exchange, false, false); err != nil {
 		t.Fatal(err)
 	}
-	err := p.Publish(context.Background(), one("order/2"))
+	err := brokertest.Publish(t, p, brokertest.Message("order/2", 1))
 	if err == nil || outbox.IsPermanent(err) {
 		t.Fatalf("Publish to a deleted exchange = %v, want a retryable failure", err)
 	}
@@ -254,7 +177,7 @@ func TestClosedChannelIsReopenedOnTheNextBatch(t *testing.T) {
 	if err := tp.ch.QueueBind(tp.queue, "#", tp.exchange, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Publish(context.Background(), one("order/3")); err != nil {
+	if err := brokertest.Publish(t, p, brokertest.Message("order/3", 1)); err != nil {
 		t.Fatalf("Publish after the exchange is back: %v", err)
 	}
 }
@@ -266,7 +189,7 @@ func TestClosedConnectionIsRetryable(t *testing.T) {
 	if err := conn.Close(); err != nil {
 		t.Fatal(err)
 	}
-	err := p.Publish(context.Background(), outbox.Batch{ID: "b", Messages: []outbox.Message{message("order/1", 1)}})
+	err := brokertest.Publish(t, p, brokertest.Message("order/1", 1))
 	if err == nil || outbox.IsPermanent(err) || !errors.Is(err, amqp.ErrClosed) {
 		t.Fatalf("Publish on a closed connection = %v, want a retryable amqp.ErrClosed", err)
 	}
@@ -276,39 +199,9 @@ func TestContextExpiringMidBatchStopsThePublish(t *testing.T) {
 	t.Parallel()
 	tp := newTopology(t, "#")
 	p := newPublisher(t, dial(t), outboxamqp.WithExchange(tp.exchange), outboxamqp.WithRoutingKey(routeByAggregate))
-	var b outbox.Batch
-	for seq := int64(1); seq <= 1000; seq++ {
-		b.Messages = append(b.Messages, message("order/1", seq), message("order/2", seq))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err := p.Publish(ctx, b)
-	if elapsed := time.Since(start); elapsed > 500*time.Millisecond {
-		t.Errorf("Publish took %v with a 3ms deadline", elapsed)
-	}
-	var pe *outbox.PartialError
-	if !errors.As(err, &pe) {
-		t.Fatalf("Publish = %v, want a PartialError", err)
-	}
-	failedFrom := map[string]bool{}
-	for _, m := range b.Messages {
-		e, failed := pe.Failed[m.EventID]
-		switch {
-		case failed && outbox.IsPermanent(e):
-			t.Fatalf("%s: %v, want a retryable failure", m.EventID, e)
-		case failed:
-			failedFrom[m.AggregateID] = true
-		case failedFrom[m.AggregateID]:
-			t.Fatalf("%s accepted after a failed message of its aggregate", m.EventID)
-		}
-	}
-	if len(failedFrom) == 0 {
-		t.Fatal("every message confirmed within 3ms: the deadline did not cut the batch")
-	}
+	brokertest.CheckDeadlineCutsTheBatch(t, p)
 	// The next batch runs on a fresh channel, untouched by late confirms.
-	next := outbox.Batch{ID: "b2", Messages: []outbox.Message{message("order/3", 1)}}
-	if err := p.Publish(context.Background(), next); err != nil {
+	if err := brokertest.Publish(t, p, brokertest.Message("order/3", 1)); err != nil {
 		t.Fatalf("next batch: %v", err)
 	}
 }

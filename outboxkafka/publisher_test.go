@@ -1,7 +1,6 @@
 package outboxkafka_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -13,15 +12,14 @@ import (
 	"testing"
 	"time"
 
-	cebinding "github.com/cloudevents/sdk-go/v2/binding"
-	cespec "github.com/cloudevents/sdk-go/v2/binding/spec"
-	ceevent "github.com/cloudevents/sdk-go/v2/event"
+	"github.com/cloudevents/sdk-go/v2/event"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
 	"github.com/gorm-outbox/outbox/outboxkafka"
 )
 
@@ -98,88 +96,33 @@ func consume(t *testing.T, addrs []string, topic string, n int, wait time.Durati
 	return recs
 }
 
-// recordMessage reads a record as the CloudEvents Kafka binding does in
-// binary mode: ce_ headers are attributes and extensions, content-type is
-// datacontenttype, the value is the data. The SDK's own Kafka binding
-// modules are not served by the module proxy here, so the test drives the
-// SDK's binding.ToEvent through this reader instead.
-type recordMessage struct{ rec *kgo.Record }
-
-var ceVersions = cespec.WithPrefix(outboxkafka.HeaderPrefix)
-
-func (r recordMessage) ReadEncoding() cebinding.Encoding { return cebinding.EncodingBinary }
-
-func (r recordMessage) ReadStructured(context.Context, cebinding.StructuredWriter) error {
-	return cebinding.ErrNotStructured
-}
-
-func (r recordMessage) ReadBinary(ctx context.Context, w cebinding.BinaryWriter) error {
-	version := r.version()
-	if version == nil {
-		return cebinding.ErrUnknownEncoding
-	}
-	for _, h := range r.rec.Headers {
-		switch {
-		case h.Key == outboxkafka.HeaderContentType:
-			if err := w.SetAttribute(version.AttributeFromKind(cespec.DataContentType), string(h.Value)); err != nil {
-				return err
-			}
-		case strings.HasPrefix(h.Key, outboxkafka.HeaderPrefix):
-			if a := version.Attribute(h.Key); a != nil {
-				if err := w.SetAttribute(a, string(h.Value)); err != nil {
-					return err
-				}
-			} else if err := w.SetExtension(strings.TrimPrefix(h.Key, outboxkafka.HeaderPrefix), string(h.Value)); err != nil {
-				return err
-			}
+// decode reads rec as the CloudEvents Kafka binding does in binary content
+// mode (each ce_ header is an attribute or extension, content-type is
+// datacontenttype, the value is the data) and decodes it with the SDK.
+// The SDK's own Kafka binding modules are not served by the module proxy
+// here, so the test drives the SDK's binding.ToEvent through this reader
+// instead.
+func decode(t testing.TB, rec *kgo.Record) *event.Event {
+	t.Helper()
+	attrs := map[string]string{}
+	for _, h := range rec.Headers {
+		if h.Key == outboxkafka.HeaderContentType {
+			attrs["datacontenttype"] = string(h.Value)
+		} else if attr, ok := strings.CutPrefix(h.Key, outboxkafka.HeaderPrefix); ok {
+			attrs[attr] = string(h.Value)
 		}
 	}
-	return w.SetData(bytes.NewReader(r.rec.Value))
+	return brokertest.Event(t, brokertest.Binary{Attributes: attrs, Data: rec.Value})
 }
 
-func (r recordMessage) version() cespec.Version {
-	if v, ok := header(r.rec, ceVersions.PrefixedSpecVersionName()); ok {
-		return ceVersions.Version(v)
-	}
-	return nil
-}
-
-func (r recordMessage) GetAttribute(k cespec.Kind) (cespec.Attribute, any) {
-	version := r.version()
-	if version == nil {
-		return nil, nil
-	}
-	a := version.AttributeFromKind(k)
-	name := a.PrefixedName()
-	if k == cespec.DataContentType {
-		name = outboxkafka.HeaderContentType
-	}
-	if v, ok := header(r.rec, name); ok {
-		return a, v
-	}
-	return a, nil
-}
-
-func (r recordMessage) GetExtension(name string) any {
-	if v, ok := header(r.rec, outboxkafka.HeaderPrefix+name); ok {
-		return v
-	}
-	return nil
-}
-
-func (r recordMessage) Finish(error) error { return nil }
-
-// decode turns rec into a CloudEvent with the SDK and validates it.
-func decode(t *testing.T, rec *kgo.Record) *ceevent.Event {
+// decodeAll decodes every record of recs.
+func decodeAll(t testing.TB, recs []*kgo.Record) []*event.Event {
 	t.Helper()
-	e, err := cebinding.ToEvent(context.Background(), recordMessage{rec})
-	if err != nil {
-		t.Fatalf("record %s: SDK cannot read it as a CloudEvent: %v", rec.Key, err)
+	out := make([]*event.Event, len(recs))
+	for i, rec := range recs {
+		out[i] = decode(t, rec)
 	}
-	if err := e.Validate(); err != nil {
-		t.Fatalf("record %s: SDK says the event is invalid: %v", rec.Key, err)
-	}
-	return e
+	return out
 }
 
 func header(rec *kgo.Record, key string) (string, bool) {
@@ -191,46 +134,17 @@ func header(rec *kgo.Record, key string) (string, bool) {
 	return "", false
 }
 
-var at = time.Date(2024, 5, 6, 7, 8, 9, 123456000, time.UTC)
-
-func msg(aggregate string, seq int64) outbox.Message {
-	id := fmt.Sprintf("evt-%s-%d", aggregate, seq)
-	return outbox.Message{
-		EventID: id, EventType: "order.changed", AggregateType: "order", AggregateID: aggregate,
-		Sequence: seq, IdempotencyKey: id, Payload: json.RawMessage(fmt.Sprintf(`{"n":%d, "a":"%s"}`, seq, aggregate)),
-		OccurredAt: at.Add(time.Duration(seq) * time.Second), Attempt: 1,
-	}
-}
-
-func publish(t *testing.T, p *outboxkafka.Publisher, msgs ...outbox.Message) error {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return p.Publish(ctx, outbox.Batch{ID: "batch-" + msgs[0].EventID, Messages: msgs})
-}
-
-// failures returns the PartialError's map, failing the test when err is
-// not one.
-func failures(t *testing.T, err error) map[string]error {
-	t.Helper()
-	var pe *outbox.PartialError
-	if !errors.As(err, &pe) {
-		t.Fatalf("Publish = %v, want a *outbox.PartialError", err)
-	}
-	return pe.Failed
-}
-
 func TestPublishWritesBinaryModeCloudEvents(t *testing.T) {
 	t.Parallel()
 	c := newCluster(t, 1)
 	topic := uniqueTopic(t)
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(topic), outboxkafka.WithSource("/shop/orders"))
 
-	m1 := msg("42", 1)
+	m1 := brokertest.Message("order/42", 1)
 	m1.Headers = map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tenant": "acme"}
-	m2 := msg("42", 2)
+	m2 := brokertest.Message("order/42", 2)
 	m2.EventType = "order.paid"
-	if err := publish(t, p, m1, m2); err != nil {
+	if err := brokertest.Publish(t, p, m1, m2); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
 	recs := consume(t, c.ListenAddrs(), topic, 2, 5*time.Second)
@@ -246,27 +160,7 @@ func TestPublishWritesBinaryModeCloudEvents(t *testing.T) {
 		if string(rec.Key) != "order/42" {
 			t.Errorf("key = %q, want the aggregate key order/42", rec.Key)
 		}
-		checks := []struct{ name, got, want string }{
-			{"id", e.ID(), want.EventID},
-			{"type", e.Type(), want.EventType},
-			{"source", e.Source(), "/shop/orders"},
-			{"specversion", e.SpecVersion(), "1.0"},
-			{"time", e.Time().UTC().Format(time.RFC3339Nano), want.OccurredAt.Format(time.RFC3339Nano)},
-			{"subject", e.Subject(), "order/42"},
-			{"datacontenttype", e.DataContentType(), "application/json"},
-			{"data", string(e.Data()), string(want.Payload)},
-		}
-		for _, c := range checks {
-			if c.got != c.want {
-				t.Errorf("record %d: %s = %q, want %q", i, c.name, c.got, c.want)
-			}
-		}
-		ext := e.Extensions()
-		for name, v := range map[string]any{"partitionkey": "order/42", "aggregatetype": "order", "aggregateid": "42", "aggregatesequence": fmt.Sprint(want.Sequence)} {
-			if got := fmt.Sprint(ext[name]); got != v {
-				t.Errorf("record %d: extension %s = %q, want %q", i, name, got, v)
-			}
-		}
+		brokertest.CheckEvent(t, e, want, "/shop/orders")
 		if _, ok := header(rec, "ce_sequence"); ok {
 			t.Errorf("record %d has ce_sequence; the aggregate's sequence is aggregatesequence", i)
 		}
@@ -287,40 +181,30 @@ func TestAggregateOrderHoldsWithinEachPartition(t *testing.T) {
 	topic := uniqueTopic(t)
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(topic))
 
-	const aggregates, perAggregate = 12, 6
-	var msgs []outbox.Message
-	for seq := int64(1); seq <= perAggregate; seq++ {
-		for a := range aggregates {
-			msgs = append(msgs, msg(fmt.Sprint(a), seq))
-		}
+	var aggregates []string
+	for a := range 12 {
+		aggregates = append(aggregates, fmt.Sprintf("order/%d", a))
 	}
-	if err := publish(t, p, msgs...); err != nil {
+	msgs := brokertest.Interleaved(6, aggregates...)
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
 	recs := consume(t, c.ListenAddrs(), topic, len(msgs), 5*time.Second)
-	if len(recs) != len(msgs) {
-		t.Fatalf("consumed %d records, want %d", len(recs), len(msgs))
-	}
+	// A fetch returns each partition in offset order: each aggregate's
+	// records are in order if its partition's are.
+	brokertest.CheckInOrder(t, decodeAll(t, recs), msgs)
 	partitionOf := map[string]int32{}
-	last := map[string]int64{}
 	partitions := map[int32]bool{}
-	for _, rec := range recs { // a fetch returns each partition in offset order
+	for _, rec := range recs {
 		key := string(rec.Key)
 		if p, ok := partitionOf[key]; ok && p != rec.Partition {
 			t.Errorf("aggregate %s in partitions %d and %d", key, p, rec.Partition)
 		}
 		partitionOf[key] = rec.Partition
 		partitions[rec.Partition] = true
-		seq, _ := header(rec, "ce_aggregatesequence")
-		var n int64
-		fmt.Sscan(seq, &n)
-		if n != last[key]+1 {
-			t.Errorf("aggregate %s: sequence %d after %d", key, n, last[key])
-		}
-		last[key] = n
 	}
 	if len(partitions) < 2 {
-		t.Errorf("all %d aggregates landed in %d partition(s); the test needs them spread", aggregates, len(partitions))
+		t.Errorf("all %d aggregates landed in %d partition(s); the test needs them spread", len(aggregates), len(partitions))
 	}
 }
 
@@ -330,24 +214,12 @@ func TestSameBatchTwiceLeavesTwoCopiesWithTheSameID(t *testing.T) {
 	topic := uniqueTopic(t)
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(topic))
 
-	b := []outbox.Message{msg("7", 1), msg("7", 2)}
-	for range 2 {
-		if err := publish(t, p, b...); err != nil {
-			t.Fatalf("Publish: %v", err)
-		}
-	}
 	// The idempotent producer drops only its own retries within one
 	// producer session; a batch the dispatcher sends again is new to
 	// Kafka, so consumers deduplicate on ce_id.
-	recs := consume(t, c.ListenAddrs(), topic, 4, 3*time.Second)
-	ids := map[string]int{}
-	for _, rec := range recs {
-		id, _ := header(rec, "ce_id")
-		ids[id]++
-	}
-	if len(recs) != 4 || ids["evt-7-1"] != 2 || ids["evt-7-2"] != 2 {
-		t.Errorf("consumed %d records with ids %v, want each of the two ids twice", len(recs), ids)
-	}
+	brokertest.CheckDuplicateBatch(t, p, 2, func() []*event.Event {
+		return decodeAll(t, consume(t, c.ListenAddrs(), topic, 6, 3*time.Second))
+	})
 }
 
 func TestOversizedMessageIsPermanentAndHoldsBackItsAggregate(t *testing.T) {
@@ -356,16 +228,7 @@ func TestOversizedMessageIsPermanentAndHoldsBackItsAggregate(t *testing.T) {
 	topic := uniqueTopic(t)
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(topic))
 
-	big := msg("1", 2)
-	big.Payload = json.RawMessage(`"` + strings.Repeat("x", 1<<20) + `"`)
-	err := publish(t, p, msg("1", 1), big, msg("1", 3), msg("2", 1))
-	failed := failures(t, err)
-	if e := failed[big.EventID]; !outbox.IsPermanent(e) || !errors.Is(e, kerr.MessageTooLarge) {
-		t.Errorf("oversized message: %v, want permanent kerr.MessageTooLarge", e)
-	}
-	if e := failed["evt-1-3"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("message after it in its aggregate: %v, want ErrNotAttempted", e)
-	}
+	failed := brokertest.CheckOversizedMessageFails(t, p, json.RawMessage(`"`+strings.Repeat("x", 1<<20)+`"`), kerr.MessageTooLarge)
 	if len(failed) != 2 {
 		t.Errorf("failed = %v, want only those two", failed)
 	}
@@ -374,8 +237,8 @@ func TestOversizedMessageIsPermanentAndHoldsBackItsAggregate(t *testing.T) {
 		id, _ := header(rec, "ce_id")
 		got = append(got, id)
 	}
-	if fmt.Sprint(got) != "[evt-1-1 evt-2-1]" {
-		t.Errorf("topic holds %v, want [evt-1-1 evt-2-1]: nothing of aggregate 1 after the oversized one", got)
+	if fmt.Sprint(got) != "[evt-order-1-1 evt-order-2-1]" {
+		t.Errorf("topic holds %v, want [evt-order-1-1 evt-order-2-1]: nothing of aggregate 1 after the oversized one", got)
 	}
 }
 
@@ -392,7 +255,7 @@ func TestUnroutableMessageIsPermanent(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			p := newPublisher(t, cl, toTopic(tc.topic))
-			e := failures(t, publish(t, p, msg("1", 1)))["evt-1-1"]
+			e := brokertest.Failures(t, brokertest.Publish(t, p, brokertest.Message("order/1", 1)))["evt-order-1-1"]
 			if !outbox.IsPermanent(e) || !errors.Is(e, kerr.InvalidTopicException) {
 				t.Errorf("topic %q: %v, want permanent kerr.InvalidTopicException", tc.topic, e)
 			}
@@ -405,9 +268,9 @@ func TestEventHeaderNamedLikeAnAttributeIsPermanent(t *testing.T) {
 	c := newCluster(t, 1)
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(uniqueTopic(t)))
 	for _, name := range []string{"ce_id", "CE_Type", "content-type", "ce_aggregatesequence"} {
-		m := msg("1", 1)
+		m := brokertest.Message("order/1", 1)
 		m.Headers = map[string]string{name: "x"}
-		e := failures(t, publish(t, p, m))[m.EventID]
+		e := brokertest.Failures(t, brokertest.Publish(t, p, m))[m.EventID]
 		if !outbox.IsPermanent(e) || !errors.Is(e, outboxkafka.ErrReservedHeader) {
 			t.Errorf("header %s: %v, want permanent ErrReservedHeader", name, e)
 		}
@@ -418,22 +281,7 @@ func TestUnreachableBrokerFailsRetryablyByTheDeadline(t *testing.T) {
 	t.Parallel()
 	cl := newClient(t, []string{"127.0.0.1:1"})
 	p := newPublisher(t, cl, toTopic("unreachable"))
-	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1), msg("1", 2), msg("2", 1)}})
-	if d := time.Since(start); d > 1500*time.Millisecond {
-		t.Errorf("Publish took %v, past the 500ms deadline", d)
-	}
-	failed := failures(t, err)
-	for _, id := range []string{"evt-1-1", "evt-2-1"} {
-		if e := failed[id]; e == nil || outbox.IsPermanent(e) || errors.Is(e, outbox.ErrNotAttempted) {
-			t.Errorf("%s: %v, want a retryable failure", id, e)
-		}
-	}
-	if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("evt-1-2: %v, want ErrNotAttempted behind evt-1-1", e)
-	}
+	brokertest.CheckUnansweredBatchFailsByTheDeadline(t, p, 500*time.Millisecond, 1500*time.Millisecond, nil)
 }
 
 func TestContextExpiringMidBatchFailsUnacknowledgedMessages(t *testing.T) {
@@ -442,7 +290,7 @@ func TestContextExpiringMidBatchFailsUnacknowledgedMessages(t *testing.T) {
 	topic := uniqueTopic(t)
 	cl := newClient(t, c.ListenAddrs())
 	p := newPublisher(t, cl, toTopic(topic))
-	if err := publish(t, p, msg("0", 1)); err != nil { // topic and producer ID exist
+	if err := brokertest.Publish(t, p, brokertest.Message("order/0", 1)); err != nil { // topic and producer ID exist
 		t.Fatalf("warm-up Publish: %v", err)
 	}
 	// From now on the broker holds every produce request for two seconds.
@@ -451,22 +299,7 @@ func TestContextExpiringMidBatchFailsUnacknowledgedMessages(t *testing.T) {
 		time.Sleep(2 * time.Second)
 		return nil, nil, false
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1), msg("1", 2), msg("2", 1)}})
-	if d := time.Since(start); d > time.Second {
-		t.Errorf("Publish took %v, past the 300ms deadline", d)
-	}
-	failed := failures(t, err)
-	for _, id := range []string{"evt-1-1", "evt-2-1"} {
-		if e := failed[id]; !errors.Is(e, context.DeadlineExceeded) || outbox.IsPermanent(e) {
-			t.Errorf("%s: %v, want retryable context.DeadlineExceeded", id, e)
-		}
-	}
-	if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
-	}
+	brokertest.CheckUnansweredBatchFailsByTheDeadline(t, p, 300*time.Millisecond, time.Second, context.DeadlineExceeded)
 }
 
 func TestNewRejectsInvalidOptions(t *testing.T) {
@@ -474,25 +307,13 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 	c := newCluster(t, 1)
 	cl := newClient(t, c.ListenAddrs())
 	txn := newClient(t, c.ListenAddrs(), kgo.TransactionalID("txn"))
-	for _, tc := range []struct {
-		name   string
-		cl     *kgo.Client
-		opts   []outboxkafka.Option
-		option string
-	}{
-		{"nil client", nil, nil, "nil *kgo.Client"},
-		{"transactional client", txn, nil, "transactional"},
-		{"nil topic function", cl, []outboxkafka.Option{outboxkafka.WithTopic(nil)}, "WithTopic"},
-		{"empty source", cl, []outboxkafka.Option{outboxkafka.WithSource("")}, "WithSource"},
-		{"source not a URI", cl, []outboxkafka.Option{outboxkafka.WithSource("%zz")}, "WithSource"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			_, err := outboxkafka.New(tc.cl, tc.opts...)
-			if !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), tc.option) {
-				t.Errorf("New: %v, want ErrInvalidOption naming %s", err, tc.option)
-			}
-		})
-	}
+	brokertest.CheckNewRejects(t, outboxkafka.New, []brokertest.Rejected[*kgo.Client, outboxkafka.Option]{
+		{Name: "nil client", Naming: "nil *kgo.Client"},
+		{Name: "transactional client", Client: txn, Naming: "transactional"},
+		{Name: "nil topic function", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithTopic(nil)}, Naming: "WithTopic"},
+		{Name: "empty source", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithSource("")}, Naming: "WithSource"},
+		{Name: "source not a URI", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithSource("%zz")}, Naming: "WithSource"},
+	})
 }
 
 func TestEmptyBatchSendsNothing(t *testing.T) {
@@ -526,12 +347,12 @@ func TestAuthorizationRefusedIsPermanent(t *testing.T) {
 		return resp, nil, true
 	})
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(uniqueTopic(t)))
-	failed := failures(t, publish(t, p, msg("1", 1), msg("1", 2)))
-	if e := failed["evt-1-1"]; !outbox.IsPermanent(e) || !errors.Is(e, kerr.TopicAuthorizationFailed) {
-		t.Errorf("evt-1-1: %v, want permanent kerr.TopicAuthorizationFailed", e)
+	failed := brokertest.Failures(t, brokertest.Publish(t, p, brokertest.Message("order/1", 1), brokertest.Message("order/1", 2)))
+	if e := failed["evt-order-1-1"]; !outbox.IsPermanent(e) || !errors.Is(e, kerr.TopicAuthorizationFailed) {
+		t.Errorf("evt-order-1-1: %v, want permanent kerr.TopicAuthorizationFailed", e)
 	}
-	if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
+	if e := failed["evt-order-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
+		t.Errorf("evt-order-1-2: %v, want ErrNotAttempted", e)
 	}
 }
 
@@ -543,18 +364,9 @@ func TestRecordTheBrokerFindsTooLargeIsPermanent(t *testing.T) {
 	topic := uniqueTopic(t)
 	p := newPublisher(t, newClient(t, c.ListenAddrs()), toTopic(topic))
 
-	big := msg("1", 2)
 	noise := make([]byte, 8<<10) // incompressible, so that it stays too large
 	rand.Read(noise)
-	big.Payload = json.RawMessage(`"` + hex.EncodeToString(noise) + `"`)
-	err := publish(t, p, msg("1", 1), big, msg("1", 3), msg("2", 1))
-	failed := failures(t, err)
-	if e := failed[big.EventID]; !outbox.IsPermanent(e) || !errors.Is(e, kerr.MessageTooLarge) {
-		t.Errorf("oversized message: %v, want permanent kerr.MessageTooLarge", e)
-	}
-	if e := failed["evt-1-3"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("message after it in its aggregate: %v, want ErrNotAttempted", e)
-	}
+	failed := brokertest.CheckOversizedMessageFails(t, p, json.RawMessage(`"`+hex.EncodeToString(noise)+`"`), kerr.MessageTooLarge)
 	// Whatever franz-go batched with the big record fails with it; every
 	// message reported accepted is in the topic.
 	stored := map[string]bool{}
@@ -562,10 +374,10 @@ func TestRecordTheBrokerFindsTooLargeIsPermanent(t *testing.T) {
 		id, _ := header(rec, "ce_id")
 		stored[id] = true
 	}
-	if stored[big.EventID] {
+	if stored["evt-order-1-2"] {
 		t.Errorf("the oversized record is in the topic")
 	}
-	for _, id := range []string{"evt-1-1", "evt-1-2", "evt-1-3", "evt-2-1"} {
+	for _, id := range []string{"evt-order-1-1", "evt-order-1-2", "evt-order-1-3", "evt-order-2-1"} {
 		if _, bad := failed[id]; !bad && !stored[id] {
 			t.Errorf("%s was reported accepted but is not in the topic", id)
 		}

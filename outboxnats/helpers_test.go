@@ -1,9 +1,7 @@
 package outboxnats_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/url"
 	"os"
@@ -13,24 +11,19 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/cloudevents/sdk-go/v2/binding"
-	"github.com/cloudevents/sdk-go/v2/binding/spec"
 	"github.com/cloudevents/sdk-go/v2/event"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
+	"github.com/gorm-outbox/outbox/outboxnats"
 )
 
-// defaultNATSURL is the server the tests use when OUTBOX_NATS_URL is unset.
-const defaultNATSURL = "nats://127.0.0.1:4222"
+// natsServer is the NATS server, with JetStream, that the tests use.
+var natsServer = brokertest.Server{Name: "NATS", Env: "OUTBOX_NATS_URL", Default: "nats://127.0.0.1:4222"}
 
-func natsURL() string {
-	if u := os.Getenv("OUTBOX_NATS_URL"); u != "" {
-		return u
-	}
-	return defaultNATSURL
-}
+func natsURL() string { return natsServer.Addr() }
 
 // connect returns a JetStream context on the test server; it skips the
 // test when the server does not answer, or fails it under CI=true.
@@ -38,10 +31,7 @@ func connect(t testing.TB) jetstream.JetStream {
 	t.Helper()
 	nc, err := nats.Connect(natsURL(), nats.Timeout(2*time.Second))
 	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("NATS at %q does not answer (CI=true, so this fails instead of skipping): %v", natsURL(), err)
-		}
-		t.Skipf("skipping: no NATS server at %q (set OUTBOX_NATS_URL): %v", natsURL(), err)
+		natsServer.Unreachable(t, err)
 	}
 	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
@@ -49,6 +39,15 @@ func connect(t testing.TB) jetstream.JetStream {
 		t.Fatalf("jetstream.New: %v", err)
 	}
 	return js
+}
+
+func newPublisher(t testing.TB, js jetstream.JetStream, opts ...outboxnats.Option) *outboxnats.Publisher {
+	t.Helper()
+	p, err := outboxnats.New(js, opts...)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	return p
 }
 
 var streamSeq atomic.Int64
@@ -107,90 +106,37 @@ func (s testStream) stored(t testing.TB) []*jetstream.RawStreamMsg {
 	return out
 }
 
-// message returns event number seq of aggregate agg ("type/id").
-func message(agg string, seq int64) outbox.Message {
-	typ, id, _ := strings.Cut(agg, "/")
-	evID := fmt.Sprintf("%s-%s-%d-%d", typ, id, seq, time.Now().UnixNano())
-	return outbox.Message{
-		EventID: evID, EventType: typ + ".changed", AggregateType: typ, AggregateID: id,
-		Sequence: seq, IdempotencyKey: evID,
-		Payload:    json.RawMessage(fmt.Sprintf(`{"id":%q,"seq":%d}`, id, seq)),
-		OccurredAt: time.Date(2025, 3, 4, 5, 6, 7, 890000000, time.UTC).Add(time.Duration(seq) * time.Second),
-		Attempt:    1,
+// events returns every message of the stream as a CloudEvent, in stream
+// order.
+func (s testStream) events(t testing.TB) []*event.Event {
+	t.Helper()
+	var out []*event.Event
+	for _, raw := range s.stored(t) {
+		out = append(out, toEvent(t, raw.Header, raw.Data))
 	}
+	return out
 }
 
-// ceMessage is a NATS message read as the CloudEvents NATS binding reads
-// it (binary content mode), for the SDK to turn into an event: attrs maps
-// each ce- header, lower-cased, to its percent-decoded value.
-type ceMessage struct {
-	version spec.Version
-	attrs   map[string]string
-	data    []byte
-}
-
-var natsVersions = spec.WithPrefix("ce-")
-
-func newCEMessage(header nats.Header, data []byte) (ceMessage, error) {
-	m := ceMessage{attrs: map[string]string{}, data: data}
+// toEvent reads a NATS message as the CloudEvents NATS binding does in
+// binary content mode (each ce- header, case-insensitive, is an attribute
+// or extension with its value percent-decoded; the body is the data) and
+// decodes it with the SDK.
+func toEvent(t testing.TB, header nats.Header, data []byte) *event.Event {
+	t.Helper()
+	attrs := map[string]string{}
 	for name, values := range header {
-		lower := strings.ToLower(name)
-		if !strings.HasPrefix(lower, "ce-") {
+		attr, ok := strings.CutPrefix(strings.ToLower(name), "ce-")
+		if !ok {
 			continue
 		}
 		v, err := percentDecode(values[0])
 		if err != nil {
-			return m, fmt.Errorf("header %s: %w", name, err)
+			t.Fatalf("header %s: %v", name, err)
 		}
-		m.attrs[lower] = v
+		attrs[attr] = v
 	}
-	m.version = natsVersions.Version(m.attrs[natsVersions.PrefixedSpecVersionName()])
-	if m.version == nil {
-		return m, binding.ErrUnknownEncoding
-	}
-	return m, nil
+	return brokertest.Event(t, brokertest.Binary{Attributes: attrs, Data: data})
 }
-
-func (m ceMessage) ReadEncoding() binding.Encoding { return binding.EncodingBinary }
-
-func (m ceMessage) ReadStructured(context.Context, binding.StructuredWriter) error {
-	return binding.ErrNotStructured
-}
-
-func (m ceMessage) ReadBinary(ctx context.Context, w binding.BinaryWriter) error {
-	for name, v := range m.attrs {
-		var err error
-		if attr := m.version.Attribute(name); attr != nil {
-			err = w.SetAttribute(attr, v)
-		} else {
-			err = w.SetExtension(strings.TrimPrefix(name, "ce-"), v)
-		}
-		if err != nil {
-			return err
-		}
-	}
-	return w.SetData(bytes.NewReader(m.data))
-}
-
-func (m ceMessage) GetAttribute(k spec.Kind) (spec.Attribute, interface{}) {
-	attr := m.version.AttributeFromKind(k)
-	if attr == nil {
-		return nil, nil
-	}
-	if v, ok := m.attrs[attr.PrefixedName()]; ok {
-		return attr, v
-	}
-	return attr, nil
-}
-
-func (m ceMessage) GetExtension(name string) interface{} {
-	if v, ok := m.attrs["ce-"+name]; ok {
-		return v
-	}
-	return nil
-}
-
-func (m ceMessage) Finish(error) error { return nil }
 
 // percentDecode undoes the binding's percent-encoding, rejecting invalid
 // UTF-8 as the binding requires.
@@ -203,32 +149,4 @@ func percentDecode(s string) (string, error) {
 		return "", fmt.Errorf("%q is not UTF-8", s)
 	}
 	return v, nil
-}
-
-// toEvent decodes a stored message with the CloudEvents SDK and validates
-// the event.
-func toEvent(t testing.TB, header nats.Header, data []byte) *event.Event {
-	t.Helper()
-	msg, err := newCEMessage(header, data)
-	if err != nil {
-		t.Fatalf("not a binary-mode CloudEvent: %v (headers %v)", err, header)
-	}
-	e, err := binding.ToEvent(context.Background(), msg)
-	if err != nil {
-		t.Fatalf("CloudEvents SDK cannot read the message: %v (headers %v)", err, header)
-	}
-	if err := e.Validate(); err != nil {
-		t.Fatalf("CloudEvents SDK: invalid event: %v", err)
-	}
-	return e
-}
-
-// aggregateSequence reads the aggregatesequence extension of e.
-func aggregateSequence(t testing.TB, e *event.Event) string {
-	t.Helper()
-	v, ok := e.Extensions()["aggregatesequence"]
-	if !ok {
-		t.Fatalf("event %s has no aggregatesequence", e.ID())
-	}
-	return fmt.Sprint(v)
 }

@@ -13,21 +13,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cloudevents/sdk-go/v2/event"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
 	"github.com/gorm-outbox/outbox/outboxnats"
 )
-
-func newPublisher(t testing.TB, js jetstream.JetStream, opts ...outboxnats.Option) *outboxnats.Publisher {
-	t.Helper()
-	p, err := outboxnats.New(js, opts...)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	return p
-}
 
 func TestNewRejectsInvalidOptions(t *testing.T) {
 	t.Parallel()
@@ -36,25 +29,12 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cases := []struct {
-		name string
-		js   jetstream.JetStream
-		opts []outboxnats.Option
-		want string
-	}{
-		{"nil JetStream", nil, nil, "js"},
-		{"nil subject function", js, []outboxnats.Option{outboxnats.WithSubject(nil)}, "WithSubject"},
-		{"empty source", js, []outboxnats.Option{outboxnats.WithSource("")}, "WithSource"},
-		{"source with a space", js, []outboxnats.Option{outboxnats.WithSource("my app")}, "WithSource"},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			_, err := outboxnats.New(c.js, c.opts...)
-			if !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), c.want) {
-				t.Fatalf("New = %v, want ErrInvalidOption naming %s", err, c.want)
-			}
-		})
-	}
+	brokertest.CheckNewRejects(t, outboxnats.New, []brokertest.Rejected[jetstream.JetStream, outboxnats.Option]{
+		{Name: "nil JetStream", Naming: "js"},
+		{Name: "nil subject function", Client: js, Options: []outboxnats.Option{outboxnats.WithSubject(nil)}, Naming: "WithSubject"},
+		{Name: "empty source", Client: js, Options: []outboxnats.Option{outboxnats.WithSource("")}, Naming: "WithSource"},
+		{Name: "source with a space", Client: js, Options: []outboxnats.Option{outboxnats.WithSource("my app")}, Naming: "WithSource"},
+	})
 }
 
 func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
@@ -63,12 +43,11 @@ func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
 	s := newStream(t, js, jetstream.StreamConfig{})
 	p := newPublisher(t, js, outboxnats.WithSubject(s.subject), outboxnats.WithSource("/shop/orders"))
 
-	m1 := message("order/42", 1)
+	m1 := brokertest.Message("order/42", 1)
 	m1.EventType = "order placed ünïcode \"100%\"" // must be percent-encoded
 	m1.Headers = map[string]string{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-	m2 := message("order/42", 2)
-	b := outbox.Batch{ID: "b1", Messages: []outbox.Message{m1, m2}}
-	if err := p.Publish(context.Background(), b); err != nil {
+	msgs := []outbox.Message{m1, brokertest.Message("order/42", 2)}
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
 
@@ -77,7 +56,7 @@ func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
 		t.Fatalf("stream holds %d messages, want 2", len(got))
 	}
 	for i, raw := range got {
-		m := b.Messages[i]
+		m := msgs[i]
 		if string(raw.Data) != string(m.Payload) {
 			t.Errorf("body = %s, want the payload %s byte for byte", raw.Data, m.Payload)
 		}
@@ -87,29 +66,7 @@ func TestEveryMessageArrivesAsTheCloudEventItWas(t *testing.T) {
 		if raw.Subject != s.prefix+".order" {
 			t.Errorf("subject = %q", raw.Subject)
 		}
-		e := toEvent(t, raw.Header, raw.Data)
-		checks := []struct{ name, got, want string }{
-			{"id", e.ID(), m.EventID},
-			{"type", e.Type(), m.EventType},
-			{"source", e.Source(), "/shop/orders"},
-			{"specversion", e.SpecVersion(), "1.0"},
-			{"time", e.Time().UTC().Format(time.RFC3339Nano), m.OccurredAt.Format(time.RFC3339Nano)},
-			{"subject", e.Subject(), "order/42"},
-			{"datacontenttype", e.DataContentType(), "application/json"},
-			{"partitionkey", fmt.Sprint(e.Extensions()["partitionkey"]), "order/42"},
-			{"aggregatetype", fmt.Sprint(e.Extensions()["aggregatetype"]), "order"},
-			{"aggregateid", fmt.Sprint(e.Extensions()["aggregateid"]), "42"},
-			{"aggregatesequence", aggregateSequence(t, e), strconv.FormatInt(m.Sequence, 10)},
-			{"data", string(e.Data()), string(m.Payload)},
-		}
-		for _, c := range checks {
-			if c.got != c.want {
-				t.Errorf("message %d: %s = %q, want %q", i+1, c.name, c.got, c.want)
-			}
-		}
-		if _, ok := e.Extensions()["sequence"]; ok {
-			t.Errorf("message %d carries the CloudEvents sequence extension", i+1)
-		}
+		brokertest.CheckEvent(t, toEvent(t, raw.Header, raw.Data), m, "/shop/orders")
 	}
 	if tp := got[0].Header.Get("traceparent"); tp != m1.Headers["traceparent"] {
 		t.Errorf("traceparent = %q, want the event's header unchanged", tp)
@@ -125,28 +82,11 @@ func TestAggregateOrderHoldsOnTheConsumerSide(t *testing.T) {
 	s := newStream(t, js, jetstream.StreamConfig{})
 	p := newPublisher(t, js, outboxnats.WithSubject(s.subject))
 
-	var b outbox.Batch
-	for seq := int64(1); seq <= 50; seq++ {
-		for _, agg := range []string{"order/1", "order/2", "cart/9"} {
-			b.Messages = append(b.Messages, message(agg, seq))
-		}
-	}
-	if err := p.Publish(context.Background(), b); err != nil {
+	msgs := brokertest.Interleaved(50, "order/1", "order/2", "cart/9")
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
-	last := map[string]int64{}
-	got := s.stored(t)
-	for _, raw := range got {
-		e := toEvent(t, raw.Header, raw.Data)
-		seq, _ := strconv.ParseInt(aggregateSequence(t, e), 10, 64)
-		if seq != last[e.Subject()]+1 {
-			t.Fatalf("%s: sequence %d after %d", e.Subject(), seq, last[e.Subject()])
-		}
-		last[e.Subject()] = seq
-	}
-	if len(got) != len(b.Messages) {
-		t.Fatalf("stream holds %d messages, want %d", len(got), len(b.Messages))
-	}
+	brokertest.CheckInOrder(t, s.events(t), msgs)
 }
 
 func TestDuplicateBatchLeavesOneCopy(t *testing.T) {
@@ -154,16 +94,7 @@ func TestDuplicateBatchLeavesOneCopy(t *testing.T) {
 	js := connect(t)
 	s := newStream(t, js, jetstream.StreamConfig{Duplicates: time.Minute})
 	p := newPublisher(t, js, outboxnats.WithSubject(s.subject))
-	b := outbox.Batch{ID: "b", Messages: []outbox.Message{message("order/1", 1), message("order/1", 2), message("order/2", 1)}}
-
-	for round := 1; round <= 2; round++ {
-		if err := p.Publish(context.Background(), b); err != nil {
-			t.Fatalf("Publish round %d: %v (a duplicate PubAck must count as accepted)", round, err)
-		}
-	}
-	if got := s.stored(t); len(got) != len(b.Messages) {
-		t.Fatalf("stream holds %d messages after publishing the batch twice, want %d", len(got), len(b.Messages))
-	}
+	brokertest.CheckDuplicateBatch(t, p, 1, func() []*event.Event { return s.events(t) })
 }
 
 func TestOversizedMessageFailsPermanentlyAndHoldsBackItsAggregate(t *testing.T) {
@@ -186,25 +117,9 @@ func TestOversizedMessageFailsPermanentlyAndHoldsBackItsAggregate(t *testing.T) 
 			t.Parallel()
 			s := newStream(t, js, jetstream.StreamConfig{MaxMsgSize: c.limit})
 			p := newPublisher(t, js, outboxnats.WithSubject(s.subject))
-			big := message("order/1", 2)
-			big.Payload = []byte(`"` + strings.Repeat("x", c.size) + `"`)
-			b := outbox.Batch{ID: "b", Messages: []outbox.Message{
-				message("order/1", 1), big, message("order/1", 3), message("order/2", 1),
-			}}
-
-			err := p.Publish(context.Background(), b)
-			var pe *outbox.PartialError
-			if !errors.As(err, &pe) {
-				t.Fatalf("Publish = %v, want a PartialError", err)
-			}
-			if len(pe.Failed) != 2 {
-				t.Fatalf("failed = %v, want the big message and the one after it", pe.Failed)
-			}
-			if e := pe.Failed[big.EventID]; !outbox.IsPermanent(e) {
-				t.Errorf("big message: %v, want a permanent failure", e)
-			}
-			if e := pe.Failed[b.Messages[2].EventID]; !errors.Is(e, outbox.ErrNotAttempted) {
-				t.Errorf("the next message of its aggregate: %v, want ErrNotAttempted", e)
+			failed := brokertest.CheckOversizedMessageFails(t, p, []byte(`"`+strings.Repeat("x", c.size)+`"`), nil)
+			if len(failed) != 2 {
+				t.Fatalf("failed = %v, want the big message and the one after it", failed)
 			}
 			stored := len(s.stored(t))
 			want := 2
@@ -221,20 +136,25 @@ func TestOversizedMessageFailsPermanentlyAndHoldsBackItsAggregate(t *testing.T) 
 func TestInvalidSubjectFailsThatMessagePermanently(t *testing.T) {
 	t.Parallel()
 	js := connect(t)
-	s := newStream(t, js, jetstream.StreamConfig{})
-	for _, bad := range []string{"", "a b", "a..b", s.prefix + ".*", s.prefix + ".>", "trailing."} {
-		t.Run(strconv.Quote(bad), func(t *testing.T) {
+	// <stream> stands for the subject prefix of the subtest's stream.
+	for _, subject := range []string{"", "a b", "a..b", "<stream>.*", "<stream>.>", "trailing."} {
+		t.Run(strconv.Quote(subject), func(t *testing.T) {
+			t.Parallel()
+			s := newStream(t, js, jetstream.StreamConfig{})
+			bad := strings.ReplaceAll(subject, "<stream>", s.prefix)
 			p := newPublisher(t, js, outboxnats.WithSubject(func(m outbox.Message) string {
 				if m.AggregateID == "bad" {
 					return bad
 				}
 				return s.subject(m)
 			}))
-			b := outbox.Batch{ID: "b", Messages: []outbox.Message{message("order/bad", 1), message("order/good", 1)}}
-			err := p.Publish(context.Background(), b)
-			var pe *outbox.PartialError
-			if !errors.As(err, &pe) || len(pe.Failed) != 1 || !outbox.IsPermanent(pe.Failed[b.Messages[0].EventID]) {
-				t.Fatalf("Publish = %v, want only the message with subject %q failed permanently", err, bad)
+			msgs := []outbox.Message{brokertest.Message("order/bad", 1), brokertest.Message("order/good", 1)}
+			failed := brokertest.Failures(t, brokertest.Publish(t, p, msgs...))
+			if len(failed) != 1 || !outbox.IsPermanent(failed[msgs[0].EventID]) {
+				t.Fatalf("Publish failed %v, want only the message with subject %q failed permanently", failed, bad)
+			}
+			if got := len(s.stored(t)); got != 1 {
+				t.Fatalf("stream holds %d messages, want the good one", got)
 			}
 		})
 	}
@@ -244,7 +164,7 @@ func TestUnreachableServerIsRetryable(t *testing.T) {
 	t.Parallel()
 	closed, err := nats.Connect(natsURL(), nats.Timeout(2*time.Second))
 	if err != nil {
-		connect(t) // skips or fails with the address variable named
+		natsServer.Unreachable(t, err)
 	}
 	closed.Close()
 	// A connection that keeps trying a port nobody listens on.
@@ -261,24 +181,7 @@ func TestUnreachableServerIsRetryable(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p := newPublisher(t, js)
-			b := outbox.Batch{ID: "b", Messages: []outbox.Message{message("order/1", 1), message("order/2", 1)}}
-			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-			defer cancel()
-			start := time.Now()
-			err = p.Publish(ctx, b)
-			if elapsed := time.Since(start); elapsed > time.Second {
-				t.Errorf("Publish took %v, past its context's deadline", elapsed)
-			}
-			var pe *outbox.PartialError
-			if !errors.As(err, &pe) || len(pe.Failed) != 2 {
-				t.Fatalf("Publish = %v, want both messages failed", err)
-			}
-			for id, e := range pe.Failed {
-				if outbox.IsPermanent(e) || errors.Is(e, outbox.ErrNotAttempted) {
-					t.Errorf("%s: %v, want a retryable failure", id, e)
-				}
-			}
+			brokertest.CheckUnansweredBatchFailsByTheDeadline(t, newPublisher(t, js), 300*time.Millisecond, time.Second, nil)
 		})
 	}
 }
@@ -288,46 +191,14 @@ func TestContextExpiringMidBatchStopsThePublish(t *testing.T) {
 	js := connect(t)
 	s := newStream(t, js, jetstream.StreamConfig{Duplicates: time.Minute})
 	p := newPublisher(t, js, outboxnats.WithSubject(s.subject))
-	var b outbox.Batch
-	for seq := int64(1); seq <= 1000; seq++ {
-		b.Messages = append(b.Messages, message("order/1", seq), message("order/2", seq))
-	}
-
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err := p.Publish(ctx, b)
-	if elapsed := time.Since(start); elapsed > 500*time.Millisecond {
-		t.Errorf("Publish took %v with a 3ms deadline", elapsed)
-	}
-	var pe *outbox.PartialError
-	if !errors.As(err, &pe) {
-		t.Fatalf("Publish = %v, want a PartialError", err)
-	}
-	// Per aggregate: an accepted prefix, then only failures; none of them
-	// permanent.
-	failedFrom := map[string]bool{}
-	for _, m := range b.Messages {
-		e, failed := pe.Failed[m.EventID]
-		switch {
-		case failed && outbox.IsPermanent(e):
-			t.Fatalf("%s: %v, want a retryable failure", m.EventID, e)
-		case failed:
-			failedFrom[m.AggregateID] = true
-		case failedFrom[m.AggregateID]:
-			t.Fatalf("%s accepted after a failed message of its aggregate", m.EventID)
-		}
-	}
-	if len(failedFrom) == 0 {
-		t.Fatal("every message accepted within 3ms: the deadline did not cut the batch")
-	}
+	msgs := brokertest.CheckDeadlineCutsTheBatch(t, p)
 
 	// The retry completes the stream with one copy of each.
-	if err := p.Publish(context.Background(), b); err != nil {
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("second Publish: %v", err)
 	}
-	if got := len(s.stored(t)); got != len(b.Messages) {
-		t.Fatalf("stream holds %d messages, want %d", got, len(b.Messages))
+	if got := len(s.stored(t)); got != len(msgs) {
+		t.Fatalf("stream holds %d messages, want %d", got, len(msgs))
 	}
 }
 
@@ -397,7 +268,7 @@ func TestRefusedPublishFailsPermanently(t *testing.T) {
 		t.Fatal(err)
 	}
 	p := newPublisher(t, js, outboxnats.WithSubject(func(m outbox.Message) string { return m.AggregateType + "." + m.AggregateID }))
-	refused, allowed := message("secret/1", 1), message("ok/1", 1)
+	refused, allowed := brokertest.Message("secret/1", 1), brokertest.Message("ok/1", 1)
 	pctx, pcancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer pcancel()
 	err = p.Publish(pctx, outbox.Batch{ID: "b", Messages: []outbox.Message{refused, allowed}})

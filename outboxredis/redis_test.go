@@ -1,7 +1,6 @@
 package outboxredis_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -15,23 +14,18 @@ import (
 	"testing"
 	"time"
 
-	cebinding "github.com/cloudevents/sdk-go/v2/binding"
-	cespec "github.com/cloudevents/sdk-go/v2/binding/spec"
-	ceevent "github.com/cloudevents/sdk-go/v2/event"
+	"github.com/cloudevents/sdk-go/v2/event"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
 	"github.com/gorm-outbox/outbox/outboxredis"
 )
 
-// redisAddr is the server the tests use: OUTBOX_REDIS_ADDR, or the
-// machine's default.
-func redisAddr() string {
-	if a := os.Getenv("OUTBOX_REDIS_ADDR"); a != "" {
-		return a
-	}
-	return "127.0.0.1:6379"
-}
+// redisServer is the Redis server the tests use.
+var redisServer = brokertest.Server{Name: "Redis", Env: "OUTBOX_REDIS_ADDR", Default: "127.0.0.1:6379"}
+
+func redisAddr() string { return redisServer.Addr() }
 
 // newRedis returns a client of the test server, skipping the test (failing
 // it under CI=true) when the server does not answer.
@@ -42,10 +36,7 @@ func newRedis(t testing.TB) *redis.Client {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if err := rdb.Ping(ctx).Err(); err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("Redis at %s does not answer (CI=true, so this fails instead of skipping): %v", redisAddr(), err)
-		}
-		t.Skipf("skipping: no Redis server at %s (set OUTBOX_REDIS_ADDR): %v", redisAddr(), err)
+		redisServer.Unreachable(t, err)
 	}
 	return rdb
 }
@@ -73,33 +64,6 @@ func toStream(key string) outboxredis.Option {
 	return outboxredis.WithStream(func(outbox.Message) string { return key })
 }
 
-var at = time.Date(2024, 5, 6, 7, 8, 9, 123456000, time.UTC)
-
-func msg(aggregate string, seq int64) outbox.Message {
-	id := fmt.Sprintf("evt-%s-%d", aggregate, seq)
-	return outbox.Message{
-		EventID: id, EventType: "order.changed", AggregateType: "order", AggregateID: aggregate,
-		Sequence: seq, IdempotencyKey: id, Payload: json.RawMessage(fmt.Sprintf(`{"n":%d, "a":"%s"}`, seq, aggregate)),
-		OccurredAt: at.Add(time.Duration(seq) * time.Second), Attempt: 1,
-	}
-}
-
-func publish(t *testing.T, p *outboxredis.Publisher, msgs ...outbox.Message) error {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return p.Publish(ctx, outbox.Batch{ID: "batch-" + msgs[0].EventID, Messages: msgs})
-}
-
-func failures(t *testing.T, err error) map[string]error {
-	t.Helper()
-	var pe *outbox.PartialError
-	if !errors.As(err, &pe) {
-		t.Fatalf("Publish = %v, want a *outbox.PartialError", err)
-	}
-	return pe.Failed
-}
-
 func entries(t testing.TB, rdb *redis.Client, stream string) []redis.XMessage {
 	t.Helper()
 	xs, err := rdb.XRange(context.Background(), stream, "-", "+").Result()
@@ -114,70 +78,28 @@ func field(x redis.XMessage, name string) string {
 	return v
 }
 
-// entryMessage reads a stream entry as a binary-mode CloudEvent: fields
-// named after attributes are attributes or extensions, "data" is the data,
-// and "header." fields are not part of the event.
-type entryMessage struct{ x redis.XMessage }
-
-var ceVersions = cespec.New()
-
-func (e entryMessage) version() cespec.Version { return ceVersions.Version(field(e.x, "specversion")) }
-
-func (e entryMessage) ReadEncoding() cebinding.Encoding { return cebinding.EncodingBinary }
-
-func (e entryMessage) ReadStructured(context.Context, cebinding.StructuredWriter) error {
-	return cebinding.ErrNotStructured
-}
-
-func (e entryMessage) ReadBinary(ctx context.Context, w cebinding.BinaryWriter) error {
-	version := e.version()
-	if version == nil {
-		return cebinding.ErrUnknownEncoding
-	}
-	for name, v := range e.x.Values {
-		s, _ := v.(string)
-		switch {
-		case name == outboxredis.FieldData || strings.HasPrefix(name, outboxredis.HeaderFieldPrefix):
-		case version.Attribute(name) != nil:
-			if err := w.SetAttribute(version.Attribute(name), s); err != nil {
-				return err
-			}
-		default:
-			if err := w.SetExtension(name, s); err != nil {
-				return err
-			}
+// decode reads x as a binary-mode CloudEvent (fields named after
+// attributes are attributes or extensions, "data" is the data, and
+// "header." fields are not part of the event) and decodes it with the SDK.
+func decode(t testing.TB, x redis.XMessage) *event.Event {
+	t.Helper()
+	attrs := map[string]string{}
+	for name := range x.Values {
+		if name != outboxredis.FieldData && !strings.HasPrefix(name, outboxredis.HeaderFieldPrefix) {
+			attrs[name] = field(x, name)
 		}
 	}
-	return w.SetData(bytes.NewReader([]byte(field(e.x, outboxredis.FieldData))))
+	return brokertest.Event(t, brokertest.Binary{Attributes: attrs, Data: []byte(field(x, outboxredis.FieldData))})
 }
 
-func (e entryMessage) GetAttribute(k cespec.Kind) (cespec.Attribute, any) {
-	version := e.version()
-	if version == nil {
-		return nil, nil
-	}
-	a := version.AttributeFromKind(k)
-	if v, ok := e.x.Values[a.Name()]; ok {
-		return a, v
-	}
-	return a, nil
-}
-
-func (e entryMessage) GetExtension(name string) any { return e.x.Values[name] }
-
-func (e entryMessage) Finish(error) error { return nil }
-
-// decode turns x into a CloudEvent with the SDK and validates it.
-func decode(t testing.TB, x redis.XMessage) *ceevent.Event {
+// events returns every entry of stream as a CloudEvent, in stream order.
+func events(t testing.TB, rdb *redis.Client, stream string) []*event.Event {
 	t.Helper()
-	e, err := cebinding.ToEvent(context.Background(), entryMessage{x})
-	if err != nil {
-		t.Fatalf("entry %s: SDK cannot read it as a CloudEvent: %v", x.ID, err)
+	var out []*event.Event
+	for _, x := range entries(t, rdb, stream) {
+		out = append(out, decode(t, x))
 	}
-	if err := e.Validate(); err != nil {
-		t.Fatalf("entry %s: SDK says the event is invalid: %v", x.ID, err)
-	}
-	return e
+	return out
 }
 
 func TestPublishAppendsCloudEventFields(t *testing.T) {
@@ -186,11 +108,11 @@ func TestPublishAppendsCloudEventFields(t *testing.T) {
 	stream := uniqueStream(t, rdb)
 	p := newPublisher(t, rdb, toStream(stream), outboxredis.WithSource("/shop/orders"))
 
-	m1 := msg("42", 1)
+	m1 := brokertest.Message("order/42", 1)
 	m1.Headers = map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "id": "not-the-event-id"}
-	m2 := msg("42", 2)
+	m2 := brokertest.Message("order/42", 2)
 	m2.EventType = "order.paid"
-	if err := publish(t, p, m1, m2); err != nil {
+	if err := brokertest.Publish(t, p, m1, m2); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
 	xs := entries(t, rdb, stream)
@@ -203,30 +125,7 @@ func TestPublishAppendsCloudEventFields(t *testing.T) {
 		if got := field(x, "data"); got != string(want.Payload) {
 			t.Errorf("data = %s, want the payload byte for byte: %s", got, want.Payload)
 		}
-		checks := []struct{ name, got, want string }{
-			{"id", e.ID(), want.EventID},
-			{"type", e.Type(), want.EventType},
-			{"source", e.Source(), "/shop/orders"},
-			{"specversion", e.SpecVersion(), "1.0"},
-			{"time", e.Time().UTC().Format(time.RFC3339Nano), want.OccurredAt.Format(time.RFC3339Nano)},
-			{"subject", e.Subject(), "order/42"},
-			{"datacontenttype", e.DataContentType(), "application/json"},
-			{"data", string(e.Data()), string(want.Payload)},
-		}
-		for _, c := range checks {
-			if c.got != c.want {
-				t.Errorf("entry %d: %s = %q, want %q", i, c.name, c.got, c.want)
-			}
-		}
-		ext := e.Extensions()
-		for name, v := range map[string]string{"partitionkey": "order/42", "aggregatetype": "order", "aggregateid": "42", "aggregatesequence": fmt.Sprint(want.Sequence)} {
-			if got := fmt.Sprint(ext[name]); got != v {
-				t.Errorf("entry %d: extension %s = %q, want %q", i, name, got, v)
-			}
-		}
-		if _, ok := x.Values["sequence"]; ok {
-			t.Errorf("entry %d has a sequence field; the aggregate's sequence is aggregatesequence", i)
-		}
+		brokertest.CheckEvent(t, e, want, "/shop/orders")
 		for k, v := range want.Headers {
 			if got := field(x, "header."+k); got != v {
 				t.Errorf("entry %d: header.%s = %q, want %q unchanged", i, k, got, v)
@@ -242,34 +141,18 @@ func TestAggregateOrderHoldsWithinEachStream(t *testing.T) {
 	t.Parallel()
 	rdb := newRedis(t)
 	streams := []string{uniqueStream(t, rdb), uniqueStream(t, rdb), uniqueStream(t, rdb)}
-	p := newPublisher(t, rdb, outboxredis.WithStream(func(m outbox.Message) string {
-		return streams[len(m.AggregateID)%len(streams)]
-	}))
-	const perAggregate = 5
-	aggregates := []string{"a", "bb", "ccc", "d", "ee", "fff", "g"}
-	var msgs []outbox.Message
-	for seq := int64(1); seq <= perAggregate; seq++ {
-		for _, a := range aggregates {
-			msgs = append(msgs, msg(a, seq))
-		}
-	}
-	if err := publish(t, p, msgs...); err != nil {
+	route := func(m outbox.Message) string { return streams[len(m.AggregateID)%len(streams)] }
+	p := newPublisher(t, rdb, outboxredis.WithStream(route))
+	msgs := brokertest.Interleaved(5, "order/a", "order/bb", "order/ccc", "order/d", "order/ee", "order/fff", "order/g")
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
-	total := 0
-	for _, s := range streams {
-		last := map[string]string{}
-		for _, x := range entries(t, rdb, s) {
-			total++
-			id := field(x, "aggregateid")
-			if want := fmt.Sprint(len(last[id]) + 1); field(x, "aggregatesequence") != want {
-				t.Errorf("stream %s, aggregate %s: sequence %s, want %s", s, id, field(x, "aggregatesequence"), want)
-			}
-			last[id] += "x"
-		}
+	routed := map[string][]outbox.Message{}
+	for _, m := range msgs {
+		routed[route(m)] = append(routed[route(m)], m)
 	}
-	if total != len(msgs) {
-		t.Errorf("streams hold %d entries, want %d", total, len(msgs))
+	for _, s := range streams {
+		brokertest.CheckInOrder(t, events(t, rdb, s), routed[s])
 	}
 }
 
@@ -278,27 +161,16 @@ func TestSameBatchTwiceLeavesOneCopyWhereTheServerHasIDMP(t *testing.T) {
 	rdb := newRedis(t)
 	stream := uniqueStream(t, rdb)
 	p := newPublisher(t, rdb, toStream(stream))
-	b := []outbox.Message{msg("7", 1), msg("7", 2)}
-	for range 2 {
-		if err := publish(t, p, b...); err != nil {
-			t.Fatalf("Publish: %v", err)
-		}
-	}
 	idmp, err := p.Idempotent(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	ids := map[string]int{}
-	for _, x := range entries(t, rdb, stream) {
-		ids[field(x, "id")]++
-	}
-	want := 2 // without IDMP, consumers deduplicate on the id field
+	copies := 2 // without IDMP, consumers deduplicate on the id field
 	if idmp {
-		want = 1
+		copies = 1
 	}
-	if len(ids) != 2 || ids["evt-7-1"] != want || ids["evt-7-2"] != want {
-		t.Errorf("IDMP %v: stream holds ids %v, want each of the two %d time(s)", idmp, ids, want)
-	}
+	t.Logf("IDMP %v", idmp)
+	brokertest.CheckDuplicateBatch(t, p, copies, func() []*event.Event { return events(t, rdb, stream) })
 }
 
 func TestIDMPIsDetectedFromTheServerVersion(t *testing.T) {
@@ -323,15 +195,7 @@ func TestOversizedMessageIsPermanentAndHoldsBackItsAggregate(t *testing.T) {
 	p := newPublisher(t, rdb, toStream(stream))
 	p.LimitArgumentBytes(1 << 10)
 
-	big := msg("1", 2)
-	big.Payload = json.RawMessage(`"` + strings.Repeat("x", 2<<10) + `"`)
-	failed := failures(t, publish(t, p, msg("1", 1), big, msg("1", 3), msg("2", 1)))
-	if e := failed[big.EventID]; !outbox.IsPermanent(e) || !errors.Is(e, outboxredis.ErrTooLarge) {
-		t.Errorf("oversized message: %v, want permanent ErrTooLarge", e)
-	}
-	if e := failed["evt-1-3"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("message after it in its aggregate: %v, want ErrNotAttempted", e)
-	}
+	failed := brokertest.CheckOversizedMessageFails(t, p, json.RawMessage(`"`+strings.Repeat("x", 2<<10)+`"`), outboxredis.ErrTooLarge)
 	if len(failed) != 2 {
 		t.Errorf("failed = %v, want only those two", failed)
 	}
@@ -339,8 +203,8 @@ func TestOversizedMessageIsPermanentAndHoldsBackItsAggregate(t *testing.T) {
 	for _, x := range entries(t, rdb, stream) {
 		got = append(got, field(x, "id"))
 	}
-	if fmt.Sprint(got) != "[evt-1-1 evt-2-1]" {
-		t.Errorf("stream holds %v, want [evt-1-1 evt-2-1]", got)
+	if fmt.Sprint(got) != "[evt-order-1-1 evt-order-2-1]" {
+		t.Errorf("stream holds %v, want [evt-order-1-1 evt-order-2-1]", got)
 	}
 }
 
@@ -352,19 +216,19 @@ func TestKeyOfAnotherTypeIsPermanent(t *testing.T) {
 		t.Fatal(err)
 	}
 	p := newPublisher(t, rdb, toStream(stream))
-	failed := failures(t, publish(t, p, msg("1", 1), msg("1", 2)))
-	if e := failed["evt-1-1"]; !outbox.IsPermanent(e) || !redis.HasErrorPrefix(e, "WRONGTYPE") {
-		t.Errorf("evt-1-1: %v, want permanent WRONGTYPE", e)
+	failed := brokertest.Failures(t, brokertest.Publish(t, p, brokertest.Message("order/1", 1), brokertest.Message("order/1", 2)))
+	if e := failed["evt-order-1-1"]; !outbox.IsPermanent(e) || !redis.HasErrorPrefix(e, "WRONGTYPE") {
+		t.Errorf("evt-order-1-1: %v, want permanent WRONGTYPE", e)
 	}
-	if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
-		t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
+	if e := failed["evt-order-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
+		t.Errorf("evt-order-1-2: %v, want ErrNotAttempted", e)
 	}
 }
 
 func TestEmptyStreamKeyIsPermanent(t *testing.T) {
 	t.Parallel()
 	p := newPublisher(t, newRedis(t), toStream(""))
-	if e := failures(t, publish(t, p, msg("1", 1)))["evt-1-1"]; !outbox.IsPermanent(e) {
+	if e := brokertest.Failures(t, brokertest.Publish(t, p, brokertest.Message("order/1", 1)))["evt-order-1-1"]; !outbox.IsPermanent(e) {
 		t.Errorf("empty stream key: %v, want a permanent failure", e)
 	}
 }
@@ -377,7 +241,7 @@ func TestUnreachableServerFailsRetryablyByTheDeadline(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1)}})
+	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{brokertest.Message("order/1", 1)}})
 	if d := time.Since(start); d > 1500*time.Millisecond {
 		t.Errorf("Publish took %v, past the 500ms deadline", d)
 	}
@@ -459,26 +323,11 @@ func TestContextExpiringMidBatchFailsMessagesWithoutReply(t *testing.T) {
 			via := redis.NewClient(&redis.Options{Addr: proxy.ln.Addr().String(), ContextTimeoutEnabled: contextTimeout, MaxRetries: -1})
 			defer via.Close()
 			p := newPublisher(t, via, toStream(stream))
-			if err := publish(t, p, msg("0", 1)); err != nil { // the publisher has asked the server
+			if err := brokertest.Publish(t, p, brokertest.Message("order/0", 1)); err != nil { // the publisher has asked the server
 				t.Fatalf("warm-up Publish: %v", err)
 			}
 			proxy.stalled.Store(true)
-			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-			defer cancel()
-			start := time.Now()
-			err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1), msg("1", 2), msg("2", 1)}})
-			if d := time.Since(start); d > time.Second {
-				t.Errorf("Publish took %v, past the 300ms deadline", d)
-			}
-			failed := failures(t, err)
-			for _, id := range []string{"evt-1-1", "evt-2-1"} {
-				if e := failed[id]; !errors.Is(e, context.DeadlineExceeded) || outbox.IsPermanent(e) {
-					t.Errorf("%s: %v, want retryable context.DeadlineExceeded", id, e)
-				}
-			}
-			if e := failed["evt-1-2"]; !errors.Is(e, outbox.ErrNotAttempted) {
-				t.Errorf("evt-1-2: %v, want ErrNotAttempted", e)
-			}
+			brokertest.CheckUnansweredBatchFailsByTheDeadline(t, p, 300*time.Millisecond, time.Second, context.DeadlineExceeded)
 			// The server did add what it received: the documented duplicate
 			// that the retry of these messages makes.
 			if n := len(entries(t, rdb, stream)); n != 4 {
@@ -499,7 +348,7 @@ func TestContextExpiringBeforeTheServerFirstAnswersFailsTheBatch(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{msg("1", 1)}})
+	err := p.Publish(ctx, outbox.Batch{ID: "b", Messages: []outbox.Message{brokertest.Message("order/1", 1)}})
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("Publish took %v, past the 300ms deadline", d)
 	}
@@ -516,9 +365,9 @@ func TestMaxLenCapsTheStream(t *testing.T) {
 	p := newPublisher(t, rdb, toStream(stream), outboxredis.WithMaxLen(10))
 	var msgs []outbox.Message
 	for i := range 500 {
-		msgs = append(msgs, msg(fmt.Sprint(i), 1))
+		msgs = append(msgs, brokertest.Message(fmt.Sprintf("order/%d", i), 1))
 	}
-	if err := publish(t, p, msgs...); err != nil {
+	if err := brokertest.Publish(t, p, msgs...); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
 	n, err := rdb.XLen(context.Background(), stream).Result()
@@ -534,24 +383,12 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 	t.Parallel()
 	rdb := redis.NewClient(&redis.Options{Addr: redisAddr()})
 	defer rdb.Close()
-	for _, tc := range []struct {
-		name   string
-		rdb    redis.UniversalClient
-		opts   []outboxredis.Option
-		option string
-	}{
-		{"nil client", nil, nil, "nil redis.UniversalClient"},
-		{"nil stream function", rdb, []outboxredis.Option{outboxredis.WithStream(nil)}, "WithStream"},
-		{"empty source", rdb, []outboxredis.Option{outboxredis.WithSource("")}, "WithSource"},
-		{"source not a URI", rdb, []outboxredis.Option{outboxredis.WithSource("%zz")}, "WithSource"},
-		{"zero max length", rdb, []outboxredis.Option{outboxredis.WithMaxLen(0)}, "WithMaxLen"},
-		{"negative max length", rdb, []outboxredis.Option{outboxredis.WithMaxLen(-5)}, "WithMaxLen"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			_, err := outboxredis.New(tc.rdb, tc.opts...)
-			if !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), tc.option) {
-				t.Errorf("New: %v, want ErrInvalidOption naming %s", err, tc.option)
-			}
-		})
-	}
+	brokertest.CheckNewRejects(t, outboxredis.New, []brokertest.Rejected[redis.UniversalClient, outboxredis.Option]{
+		{Name: "nil client", Naming: "nil redis.UniversalClient"},
+		{Name: "nil stream function", Client: rdb, Options: []outboxredis.Option{outboxredis.WithStream(nil)}, Naming: "WithStream"},
+		{Name: "empty source", Client: rdb, Options: []outboxredis.Option{outboxredis.WithSource("")}, Naming: "WithSource"},
+		{Name: "source not a URI", Client: rdb, Options: []outboxredis.Option{outboxredis.WithSource("%zz")}, Naming: "WithSource"},
+		{Name: "zero max length", Client: rdb, Options: []outboxredis.Option{outboxredis.WithMaxLen(0)}, Naming: "WithMaxLen"},
+		{Name: "negative max length", Client: rdb, Options: []outboxredis.Option{outboxredis.WithMaxLen(-5)}, Naming: "WithMaxLen"},
+	})
 }

@@ -1,12 +1,8 @@
 package outboxtest
 
 import (
-	"context"
-	"database/sql"
-	"fmt"
 	"os"
 	"testing"
-	"time"
 
 	mysqldriver "github.com/go-sql-driver/mysql"
 	"gorm.io/driver/mysql"
@@ -43,22 +39,8 @@ func OpenMySQL(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
 	if err != nil {
 		t.Fatalf("outboxtest: OUTBOX_MYSQL_DSN %q: %v", base, err)
 	}
-	admin, err := sql.Open("mysql", base)
-	if err == nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		err = admin.PingContext(ctx)
-		cancel()
-	}
-	if err != nil {
-		if admin != nil {
-			admin.Close()
-		}
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("outboxtest: MySQL at %q does not answer (CI=true, so this fails instead of skipping): %v", base, err)
-		}
-		t.Skipf("outboxtest: skipping: no MySQL server at %q (set OUTBOX_MYSQL_DSN): %v", base, err)
-	}
-	name := fmt.Sprintf("outbox_test_%d_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9, schemaSeq.Add(1))
+	admin := openAdmin(t, "mysql", base, "MySQL", "OUTBOX_MYSQL_DSN")
+	name := uniqueName()
 	if _, err := admin.Exec("CREATE DATABASE `" + name + "` CHARACTER SET utf8mb4"); err != nil {
 		admin.Close()
 		t.Fatalf("outboxtest: create database: %v", err)

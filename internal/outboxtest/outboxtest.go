@@ -8,13 +8,9 @@
 package outboxtest
 
 import (
-	"context"
-	"database/sql"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -134,28 +130,12 @@ func openSQLite(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
 	return db, DB{Engine: SQLite, DSN: dsn, Config: cfg}
 }
 
-var schemaSeq atomic.Int64
-
 func openPostgres(t testing.TB, cfg *gorm.Config) (*gorm.DB, DB) {
 	t.Helper()
 	UseServer(t, Postgres)
 	base := PostgresDSN()
-	admin, err := sql.Open("pgx", base)
-	if err == nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		err = admin.PingContext(ctx)
-		cancel()
-	}
-	if err != nil {
-		if admin != nil {
-			admin.Close()
-		}
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("outboxtest: PostgreSQL at %q does not answer (CI=true, so this fails instead of skipping): %v", base, err)
-		}
-		t.Skipf("outboxtest: skipping: no PostgreSQL server at %q (set OUTBOX_POSTGRES_DSN): %v", base, err)
-	}
-	schema := fmt.Sprintf("outbox_test_%d_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9, schemaSeq.Add(1))
+	admin := openAdmin(t, "pgx", base, "PostgreSQL", "OUTBOX_POSTGRES_DSN")
+	schema := uniqueName()
 	if _, err := admin.Exec(`CREATE SCHEMA ` + schema); err != nil {
 		admin.Close()
 		t.Fatalf("outboxtest: create schema: %v", err)
