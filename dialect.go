@@ -64,8 +64,12 @@ type dialect interface {
 	// claimTx runs fn, a claim's reads and its lease, in one short
 	// transaction in which the rows it reads with the claim statements'
 	// locking clauses stay locked until it commits (the rows themselves on
-	// PostgreSQL, the whole database on SQLite). An error of fn rolls the
-	// claim back.
+	// PostgreSQL and MySQL, the whole database on SQLite). Each statement
+	// of fn sees what committed before it (READ COMMITTED, whatever the
+	// session's default); on SQLite nothing commits meanwhile. An error of
+	// fn rolls the claim back; after one that lockConflict reports, fn
+	// runs again in a new transaction (MySQL), so fn starts from nothing
+	// each time.
 	claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error
 	// migrateTx runs fn in a transaction that holds a lock which other
 	// migrations of t wait for.

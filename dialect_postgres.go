@@ -272,9 +272,13 @@ WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <
 }
 
 // claimTx begins the claim's transaction on the pool: on a *sql.DB, or on
-// a pool of the user's own that can begin one.
+// a pool of the user's own that can begin one. It asks for READ COMMITTED
+// (in the BEGIN itself, no extra round trip) rather than take the
+// session's default: under REPEATABLE READ a claim's reads would not see
+// what committed after its first one, and its lock statement would fail
+// with a serialization error on a row another claim leased meanwhile.
 func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
-	return inTx(ctx, db, nil, fn)
+	return inTx(ctx, db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, fn)
 }
 
 // migrateTx: DDL is transactional on PostgreSQL, so the whole migration
