@@ -5,9 +5,11 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
+	"github.com/mattn/go-sqlite3"
 	"gorm.io/gorm"
 )
 
@@ -237,8 +239,14 @@ func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { r
 // long enough to be ended for it.
 func (sqliteDialect) lockConflict(error) bool { return false }
 
-// rejectsData: SQLite stores any text it is given; encode has checked it.
-func (sqliteDialect) rejectsData(error) bool { return false }
+// rejectsData: SQLite stores any text and number it is given; the values
+// it refuses are those the schema's CHECK constraints refuse, such as a
+// payload that encoding/json accepts and SQLite's JSON parser does not
+// (nested deeper than its limit of 1000).
+func (sqliteDialect) rejectsData(err error) bool {
+	var se sqlite3.Error
+	return errors.As(err, &se) && se.ExtendedCode == sqlite3.ErrConstraintCheck
+}
 
 // immediate runs fn in a transaction that holds the database's write lock
 // from start to end (BEGIN IMMEDIATE on a connection of its own), so that
