@@ -52,7 +52,10 @@ func mysqlQuote(ident string) string { return "`" + strings.ReplaceAll(ident, "`
 
 func (mysqlDialect) bind(query string) string { return query }
 
-// readTime: a DATETIME column holds nothing but times.
+// readTime: the driver reads a DATETIME column as a time.Time (parseTime).
+// The one value that is no time, the zero date, which MariaDB's default
+// sql_mode lets a hand-written row hold, it reads as the zero time, and
+// scanTime refuses that.
 func (mysqlDialect) readTime(column string) string { return column }
 
 func (mysqlDialect) idList(ids []int64) any { return mysqlJSON(ids) }

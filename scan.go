@@ -1,17 +1,24 @@
 package outbox
 
 import (
+	"errors"
 	"fmt"
 	"time"
 )
 
 // scanTime scans a timestamp whichever way the driver returns it: a
-// time.Time, or the text SQLite stores.
+// time.Time, or the text SQLite stores. NULL scans as the zero time; a
+// time.Time that is the zero time does not: go-sql-driver returns it for
+// MySQL's zero date, '0000-00-00', which is no time (MariaDB's default
+// sql_mode stores it).
 type scanTime struct{ Time time.Time }
 
 func (s *scanTime) Scan(v any) error {
 	switch v := v.(type) {
 	case time.Time:
+		if v.IsZero() {
+			return errors.New("outbox: the zero date is not a timestamp")
+		}
 		s.Time = v
 		return nil
 	case string:
