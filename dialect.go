@@ -21,7 +21,7 @@ import (
 // paths above it.
 type dialect interface {
 	// name is the engine's name in messages and in the migrations' paths:
-	// "postgres" or "sqlite".
+	// "postgres", "sqlite" or "mysql".
 	name() string
 	// tables returns the quoted names of the outbox tables for the
 	// configured table name.
@@ -57,7 +57,9 @@ type dialect interface {
 	// idList, textList and eventList encode a list as the arguments of one
 	// placeholder each (an array where the engine has arrays, JSON text
 	// elsewhere), so that a statement's text does not change with the
-	// length of the list.
+	// length of the list. Elements arrive byte for byte and in order; an
+	// empty list matches nothing, and textList(nil) is NULL, which a
+	// requeue's filter takes as "any".
 	idList(ids []int64) any
 	textList(s []string) any
 	eventList(events []aggregateSeq) []any
@@ -71,8 +73,11 @@ type dialect interface {
 	// runs again in a new transaction (MySQL), so fn starts from nothing
 	// each time.
 	claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error
-	// migrateTx runs fn in a transaction that holds a lock which other
-	// migrations of t wait for.
+	// migrateTx runs fn holding a lock that other migrations of t wait
+	// for, in one transaction where DDL is transactional (PostgreSQL,
+	// SQLite: an error of fn undoes all of it). MySQL commits each DDL
+	// statement on its own, so there every migration must be safe to run
+	// again after a failure.
 	migrateTx(ctx context.Context, db *gorm.DB, t tables, fn func(q querier) error) error
 	// listen calls wake for every notification on t's channel until ctx
 	// ends or the connection fails; it returns errNoListen where the
@@ -98,9 +103,14 @@ type dialect interface {
 
 // statements are the complete statements of the delivery path and the
 // migrator on one engine and table. Each field says its arguments, in
-// order (numbered placeholders, so that one argument may serve twice),
-// and its result columns; "now" is a timeArg, lists are the dialect's
-// idList, textList and eventList.
+// order, and its result columns; "now" is a timeArg, lists are the
+// dialect's idList, textList and eventList. window, undelivered, heads,
+// runs, lock, lease, revive and requeue run on claimTx's querier, where
+// an argument may serve twice (numbered placeholders; on MySQL lease,
+// revive and requeue are lists of statements that only it runs); the
+// others run on the pool. A statement that returns the rows it changes
+// (lease, revive, requeue, claim) must have its rows read: on SQLite it
+// changes nothing until the first is.
 //
 // Claimable means: pending, retry or delivering, due (next_attempt_at has
 // come) and not leased (locked_until is empty or has passed). A claim
@@ -176,8 +186,8 @@ type statements struct {
 	// selects (a NULL list or time selects all). Both: oldest failure
 	// first; result: aggregate_type, aggregate_id.
 	revive, requeue string
-	// cleanup (cutoff, limit) deletes delivered rows delivered before the
-	// cutoff.
+	// cleanup (cutoff, limit) deletes up to limit delivered rows
+	// delivered before the cutoff, oldest first.
 	cleanup string
 
 	// counts: rows per delivery state. Result: delivery_state, count.
