@@ -118,10 +118,6 @@ type dialect interface {
 // lease is locked_until, and a row whose locked_until lies in the future
 // is never claimed, whatever next_attempt_at says.
 type statements struct {
-	// createVersions creates the version table; versions reads its
-	// versions; recordVersion (version, name, applied at) adds one.
-	createVersions, versions, recordVersion string
-
 	// claim (batch id, lease end, now, limit): the oldest-first claim
 	// (window, order check and lease) in one statement, where the engine
 	// can say it in one. Result: the window's size, whether it held rows

@@ -96,16 +96,7 @@ const mysqlThen = "\n;\n"
 
 func (mysqlDialect) statements(t tables) statements {
 	r := t.records
-	v := t.quote(t.name + "_migrations")
 	return statements{
-		createVersions: `CREATE TABLE IF NOT EXISTS ` + v + ` (
-	version    INT PRIMARY KEY,
-	name       VARCHAR(200) NOT NULL,
-	applied_at DATETIME(6)  NOT NULL
-) ENGINE = InnoDB`,
-		versions:      `SELECT version FROM ` + v,
-		recordVersion: `INSERT INTO ` + v + ` (version, name, applied_at) VALUES (?, ?, ?)`,
-
 		// The claim's transaction: numbered placeholders (mysqlTx).
 		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
 WHERE due_at <= ?1

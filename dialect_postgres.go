@@ -63,14 +63,6 @@ func (postgresDialect) eventList(events []aggregateSeq) []any {
 func (postgresDialect) statements(t tables) statements {
 	r := t.records
 	return statements{
-		createVersions: `CREATE TABLE IF NOT EXISTS ` + t.quote(t.name+"_migrations") + ` (
-	version    integer PRIMARY KEY,
-	name       text        NOT NULL,
-	applied_at timestamptz NOT NULL
-)`,
-		versions:      `SELECT version FROM ` + t.quote(t.name+"_migrations"),
-		recordVersion: `INSERT INTO ` + t.quote(t.name+"_migrations") + ` (version, name, applied_at) VALUES ($1, $2, $3)`,
-
 		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
 	AND (locked_until IS NULL OR locked_until <= $1)

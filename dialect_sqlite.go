@@ -65,16 +65,7 @@ func jsonText(v any) string {
 // serves twice. Nothing locks rows: claimTx holds the database.
 func (d sqliteDialect) statements(t tables) statements {
 	r := t.records
-	v := t.quote(t.name + "_migrations")
 	return statements{
-		createVersions: `CREATE TABLE IF NOT EXISTS ` + v + ` (
-	version    INTEGER PRIMARY KEY,
-	name       TEXT     NOT NULL,
-	applied_at DATETIME NOT NULL
-)`,
-		versions:      `SELECT version FROM ` + v,
-		recordVersion: `INSERT INTO ` + v + ` (version, name, applied_at) VALUES (?1, ?2, ?3)`,
-
 		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
 	AND (locked_until IS NULL OR locked_until <= ?1)
