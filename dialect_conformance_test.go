@@ -26,9 +26,6 @@ import (
 // through the plugin and the dispatcher; this test pins the seam beneath
 // them, so that a change to an engine, or a new one, shows here which
 // promise of the seam it breaks.
-//
-// The statements createVersions, versions and recordVersion are not here:
-// nothing uses them (the migrator writes its own).
 func TestDialectConformance(t *testing.T) {
 	for _, e := range outboxtest.Engines {
 		t.Run(string(e), func(t *testing.T) {
