@@ -20,10 +20,6 @@ const (
 // engines lists every engine the inbox supports.
 var engines = []engine{sqliteEngine, postgresEngine, mysqlEngine}
 
-// outboxEngine reports whether the outbox itself (the plugin and the
-// dispatcher) runs on e.
-func (e engine) outboxEngine() bool { return e != mysqlEngine }
-
 // openDB returns a fresh, empty database on e, removed when t ends; its
 // info opens it again from another pool or process.
 func openDB(t testing.TB, e engine) (*gorm.DB, outboxtest.DB) {
@@ -40,24 +36,7 @@ func reopen(t testing.TB, info outboxtest.DB) *gorm.DB {
 // forEachEngine runs test once per engine, in parallel subtests.
 func forEachEngine(t *testing.T, test func(t *testing.T, e engine)) {
 	t.Helper()
-	forEngines(t, engines, test)
-}
-
-// forEachOutboxEngine runs test once per engine the outbox runs on.
-func forEachOutboxEngine(t *testing.T, test func(t *testing.T, e engine)) {
-	t.Helper()
-	var es []engine
 	for _, e := range engines {
-		if e.outboxEngine() {
-			es = append(es, e)
-		}
-	}
-	forEngines(t, es, test)
-}
-
-func forEngines(t *testing.T, es []engine, test func(t *testing.T, e engine)) {
-	t.Helper()
-	for _, e := range es {
 		t.Run(string(e), func(t *testing.T) {
 			t.Parallel()
 			test(t, e)

@@ -543,7 +543,7 @@ func TestNewValidatesOptions(t *testing.T) {
 
 func TestEventsPublishedInTheHandlerCommitWithIt(t *testing.T) {
 	t.Parallel()
-	forEachOutboxEngine(t, func(t *testing.T, e engine) {
+	forEachEngine(t, func(t *testing.T, e engine) {
 		db, in, _ := newConsumer(t, e)
 		if err := db.Use(outbox.Plugin()); err != nil {
 			t.Fatal(err)

@@ -213,11 +213,7 @@ func (w *teeWriter) Write(p []byte) (int, error) {
 func TestEndToEndRedeliveredBatchesApplyOnce(t *testing.T) {
 	t.Parallel()
 	forEachEngine(t, func(t *testing.T, e engine) {
-		producerEngine := e
-		if !e.outboxEngine() {
-			producerEngine = sqliteEngine // the outbox's side; the inbox's is on e
-		}
-		producer, producerInfo := openDB(t, producerEngine)
+		producer, producerInfo := openDB(t, e)
 		if err := producer.Use(outbox.Plugin()); err != nil {
 			t.Fatal(err)
 		}
