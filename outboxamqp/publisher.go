@@ -112,8 +112,8 @@ func WithRoutingKey(f func(outbox.Message) string) Option {
 // Default: [cloudevent.DefaultSource] ("gorm-outbox").
 func WithSource(source string) Option {
 	return func(c *config) error {
-		if source == "" || strings.IndexFunc(source, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
-			return fmt.Errorf("%w: WithSource: must be a non-empty URI-reference without white space, got %q", outbox.ErrInvalidOption, source)
+		if err := cloudevent.CheckSource(source); err != nil {
+			return fmt.Errorf("%w: WithSource: %w", outbox.ErrInvalidOption, err)
 		}
 		c.source = source
 		return nil

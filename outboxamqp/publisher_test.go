@@ -37,6 +37,9 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		{Name: "exchange with a space", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithExchange("my exchange")}, Naming: "WithExchange"},
 		{Name: "exchange too long", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithExchange(strings.Repeat("x", 128))}, Naming: "WithExchange"},
 		{Name: "empty source", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithSource("")}, Naming: "WithSource"},
+		{Name: "source with a space", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithSource("my app")}, Naming: "WithSource"},
+		{Name: "source with a control character", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithSource("shop\x00")}, Naming: "WithSource"},
+		{Name: "source not a URI", Client: conn, Options: []outboxamqp.Option{outboxamqp.WithSource("%zz")}, Naming: "WithSource"},
 	})
 }
 

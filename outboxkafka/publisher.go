@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -90,17 +89,14 @@ func WithTopic(fn func(outbox.Message) string) Option {
 }
 
 // WithSource sets the CloudEvents source attribute (ce_source) of every
-// event. It must be a non-empty URI-reference, such as
-// "https://shop.example/orders" or "/orders".
+// event. It must be a non-empty URI-reference without white space or
+// control characters, such as "https://shop.example/orders" or "/orders".
 //
 // Default: "gorm-outbox".
 func WithSource(source string) Option {
 	return func(c *config) error {
-		if source == "" {
-			return fmt.Errorf("%w: WithSource: empty source", outbox.ErrInvalidOption)
-		}
-		if _, err := url.Parse(source); err != nil {
-			return fmt.Errorf("%w: WithSource: %q is not a URI-reference: %v", outbox.ErrInvalidOption, source, err)
+		if err := cloudevent.CheckSource(source); err != nil {
+			return fmt.Errorf("%w: WithSource: %w", outbox.ErrInvalidOption, err)
 		}
 		c.source = source
 		return nil

@@ -312,6 +312,8 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		{Name: "transactional client", Client: txn, Naming: "transactional"},
 		{Name: "nil topic function", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithTopic(nil)}, Naming: "WithTopic"},
 		{Name: "empty source", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithSource("")}, Naming: "WithSource"},
+		{Name: "source with a space", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithSource("my app")}, Naming: "WithSource"},
+		{Name: "source with a control character", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithSource("shop\x00")}, Naming: "WithSource"},
 		{Name: "source not a URI", Client: cl, Options: []outboxkafka.Option{outboxkafka.WithSource("%zz")}, Naming: "WithSource"},
 	})
 }

@@ -33,6 +33,8 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		{Name: "nil JetStream", Naming: "js"},
 		{Name: "nil subject function", Client: js, Options: []outboxnats.Option{outboxnats.WithSubject(nil)}, Naming: "WithSubject"},
 		{Name: "empty source", Client: js, Options: []outboxnats.Option{outboxnats.WithSource("")}, Naming: "WithSource"},
+		{Name: "source with a control character", Client: js, Options: []outboxnats.Option{outboxnats.WithSource("shop\x00")}, Naming: "WithSource"},
+		{Name: "source not a URI", Client: js, Options: []outboxnats.Option{outboxnats.WithSource("%zz")}, Naming: "WithSource"},
 		{Name: "source with a space", Client: js, Options: []outboxnats.Option{outboxnats.WithSource("my app")}, Naming: "WithSource"},
 	})
 }

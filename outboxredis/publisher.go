@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -92,18 +91,16 @@ func WithStream(fn func(outbox.Message) string) Option {
 }
 
 // WithSource sets the CloudEvents source attribute (the source field) of
-// every event. It must be a non-empty URI-reference, such as
-// "https://shop.example/orders" or "/orders". On a server with idempotent
+// every event. It must be a non-empty URI-reference without white space
+// or control characters, such as "https://shop.example/orders" or
+// "/orders". On a server with idempotent
 // adds it is also the IDMP producer ID.
 //
 // Default: "gorm-outbox".
 func WithSource(source string) Option {
 	return func(c *config) error {
-		if source == "" {
-			return fmt.Errorf("%w: WithSource: empty source", outbox.ErrInvalidOption)
-		}
-		if _, err := url.Parse(source); err != nil {
-			return fmt.Errorf("%w: WithSource: %q is not a URI-reference: %v", outbox.ErrInvalidOption, source, err)
+		if err := cloudevent.CheckSource(source); err != nil {
+			return fmt.Errorf("%w: WithSource: %w", outbox.ErrInvalidOption, err)
 		}
 		c.source = source
 		return nil

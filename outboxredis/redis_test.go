@@ -387,6 +387,8 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		{Name: "nil client", Naming: "nil redis.UniversalClient"},
 		{Name: "nil stream function", Client: rdb, Options: []outboxredis.Option{outboxredis.WithStream(nil)}, Naming: "WithStream"},
 		{Name: "empty source", Client: rdb, Options: []outboxredis.Option{outboxredis.WithSource("")}, Naming: "WithSource"},
+		{Name: "source with a space", Client: rdb, Options: []outboxredis.Option{outboxredis.WithSource("my app")}, Naming: "WithSource"},
+		{Name: "source with a control character", Client: rdb, Options: []outboxredis.Option{outboxredis.WithSource("shop\x00")}, Naming: "WithSource"},
 		{Name: "source not a URI", Client: rdb, Options: []outboxredis.Option{outboxredis.WithSource("%zz")}, Naming: "WithSource"},
 		{Name: "zero max length", Client: rdb, Options: []outboxredis.Option{outboxredis.WithMaxLen(0)}, Naming: "WithMaxLen"},
 		{Name: "negative max length", Client: rdb, Options: []outboxredis.Option{outboxredis.WithMaxLen(-5)}, Naming: "WithMaxLen"},

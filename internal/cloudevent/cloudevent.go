@@ -6,7 +6,11 @@
 package cloudevent
 
 import (
+	"errors"
+	"fmt"
+	"net/url"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/gorm-outbox/outbox"
@@ -15,6 +19,24 @@ import (
 // DefaultSource is the CloudEvents source of every event when a publisher
 // is given none: a URI-reference naming this library.
 const DefaultSource = "gorm-outbox"
+
+// CheckSource reports whether source can be a CloudEvents source, which
+// the specification makes a non-empty URI-reference: it refuses the empty
+// string, white space and control characters (which no URI-reference
+// holds, and which some bindings' headers cannot carry), and what
+// net/url cannot parse.
+func CheckSource(source string) error {
+	if source == "" {
+		return errors.New("empty source")
+	}
+	if strings.IndexFunc(source, func(r rune) bool { return r <= ' ' || r == 0x7f }) >= 0 {
+		return fmt.Errorf("%q holds white space or a control character", source)
+	}
+	if _, err := url.Parse(source); err != nil {
+		return fmt.Errorf("%q is not a URI-reference: %w", source, err)
+	}
+	return nil
+}
 
 // ContentType is the datacontenttype of every event: the outbox stores JSON.
 const ContentType = "application/json"

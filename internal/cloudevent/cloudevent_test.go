@@ -40,3 +40,22 @@ func TestAttributesUseTheGivenSource(t *testing.T) {
 		}
 	}
 }
+
+func TestCheckSourceAcceptsURIReferencesOnly(t *testing.T) {
+	for source, ok := range map[string]bool{
+		"gorm-outbox":                 true,
+		"/shop/orders":                true,
+		"https://shop.example/orders": true,
+		"urn:uuid:6e8bc430-9c3a-11d9": true,
+		"":                            false,
+		"my app":                      false,
+		"tab\there":                   false,
+		"nul\x00":                     false,
+		"del\x7f":                     false,
+		"%zz":                         false,
+	} {
+		if err := CheckSource(source); (err == nil) != ok {
+			t.Errorf("CheckSource(%q) = %v, want ok %v", source, err, ok)
+		}
+	}
+}
