@@ -48,6 +48,15 @@ import (
 //     the batch is full; then a lock of those rows, and a run ends at the
 //     first row the lock skips (another claim holds it).
 //
+// Several dispatchers on one backlog would hold each other back at every
+// claim: each window would begin with the rows of aggregates that the
+// other dispatchers' batches hold, and runs would have to top up every
+// batch. A dispatcher whose full window was held back that way claims by
+// shard instead (nextShard): part 1 alone, its window limited to the
+// aggregates of one of 8 shards, by a hash of aggregate type and id, and
+// so mostly to aggregates no other dispatcher holds. The order rule is the
+// same; a shard only narrows the window.
+//
 // The lease then writes exactly the rows it takes. Rows behind an event
 // that waits for a retry or was dead-lettered are moved out of the due
 // range by parkBlocked, so that they do not fill every claim's window.
@@ -92,11 +101,14 @@ func scanWindow(n int) int { return max(4*n, 1000) }
 // the engine says the oldest-first part in one statement (PostgreSQL), it
 // runs that, and tops the batch up by runs in a transaction of its own
 // only when the window held rows back; elsewhere both parts run in one
-// transaction.
+// transaction. A claim by shard takes no runs.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
-	shard := int(d.shard.Load()) - 1
+	shard := -1 // every aggregate
+	if d.st.claimShard != "" || d.st.windowShard != "" {
+		shard = int(d.shard.Load()) - 1
+	}
 	seen := 0
 	var err error
 	if d.st.claim != "" && !d.runsOnly {
