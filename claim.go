@@ -178,8 +178,9 @@ const shards = 8
 // batches, jumps to a random one when another claim holds its shard, and
 // returns to every aggregate once a shard has fewer due rows than a
 // batch. One dispatcher is never held back by another, and so never
-// claims by shard; a shard's rows are still taken oldest first, and every
-// shard comes up within shards claims.
+// claims by shard; a shard's rows are still taken oldest first, and since
+// a dispatcher goes through the shards in turn, no shard waits for the
+// others' backlogs to drain.
 func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
 	if d.st.claimShard == "" && d.st.windowShard == "" || d.runsOnly {
 		return
