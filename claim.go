@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sort"
 	"time"
 
@@ -46,6 +47,15 @@ import (
 //     head's run, its aggregate's consecutive claimable sequences, until
 //     the batch is full; then a lock of those rows, and a run ends at the
 //     first row the lock skips (another claim holds it).
+//
+// Several dispatchers on one backlog would hold each other back at every
+// claim: each window would begin with the rows of aggregates that the
+// other dispatchers' batches hold, and runs would have to top up every
+// batch. A dispatcher whose full window was held back that way claims by
+// shard instead (nextShard): part 1 alone, its window limited to the
+// aggregates of one of 8 shards, by a hash of aggregate type and id, and
+// so mostly to aggregates no other dispatcher holds. The order rule is the
+// same; a shard only narrows the window.
 //
 // The lease then writes exactly the rows it takes. Rows behind an event
 // that waits for a retry or was dead-lettered are moved out of the due
@@ -91,15 +101,19 @@ func scanWindow(n int) int { return max(4*n, 1000) }
 // the engine says the oldest-first part in one statement (PostgreSQL), it
 // runs that, and tops the batch up by runs in a transaction of its own
 // only when the window held rows back; elsewhere both parts run in one
-// transaction.
+// transaction. A claim by shard takes no runs.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
+	shard := -1 // every aggregate
+	if d.st.claimShard != "" || d.st.windowShard != "" {
+		shard = int(d.shard.Load()) - 1
+	}
 	seen := 0
 	var err error
 	if d.st.claim != "" && !d.runsOnly {
-		seen, r.rows, r.blocked, err = d.claimOldest(ctx, now, r.batchID)
-		if err == nil && len(r.rows) < seen && len(r.rows) < d.batchSize {
+		seen, r.rows, r.blocked, err = d.claimOldest(ctx, now, r.batchID, shard)
+		if err == nil && shard < 0 && len(r.rows) < seen && len(r.rows) < d.batchSize {
 			taken := make(map[int64]bool, len(r.rows))
 			for _, row := range r.rows {
 				taken[row.id] = true
@@ -107,7 +121,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 			var runs []claimed
 			terr := d.d.claimTx(ctx, d.db, func(q querier) error {
 				var err error
-				runs, _, err = d.claimSteps(ctx, q, now, r.batchID, nil, true, taken)
+				runs, _, err = d.claimSteps(ctx, q, now, r.batchID, nil, true, true, taken)
 				return err
 			})
 			switch {
@@ -127,13 +141,18 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 			var win []windowRow
 			if !d.runsOnly {
 				var err error
-				if win, err = queryRows(ctx, q, d.st.window, d.d.timeArg(now), d.batchSize); err != nil {
+				if shard < 0 {
+					win, err = queryRows(ctx, q, d.st.window, d.d.timeArg(now), d.batchSize)
+				} else {
+					win, err = queryRows(ctx, q, d.st.windowShard, d.d.timeArg(now), d.batchSize, shard)
+				}
+				if err != nil {
 					return fmt.Errorf("window: %w", err)
 				}
 			}
 			seen = len(win)
 			var err error
-			r.rows, r.blocked, err = d.claimSteps(ctx, q, now, r.batchID, win, d.runsOnly, nil)
+			r.rows, r.blocked, err = d.claimSteps(ctx, q, now, r.batchID, win, d.runsOnly, shard < 0, nil)
 			return err
 		})
 	}
@@ -141,8 +160,42 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 		return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 	}
 	sort.Slice(r.rows, func(i, j int) bool { return r.rows[i].id < r.rows[j].id })
-	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && seen == d.batchSize)
+	r.more = len(r.rows) == d.batchSize || (len(r.rows) > 0 && (seen == d.batchSize || shard >= 0))
+	d.nextShard(shard, seen, len(r.rows), r.blocked)
 	return r, nil
+}
+
+// shards is how many shards a claim in shard mode divides the aggregates
+// into, by a hash of aggregate type and id.
+const shards = 8
+
+// nextShard sets what the next claim reads, after a claim of shard (-1:
+// every aggregate) that saw seen rows in its window and took took of
+// them. Dispatchers that claim from every aggregate hold each other back:
+// each window starts with the rows of aggregates that other dispatchers'
+// batches hold. A claim whose full window was held back that way moves
+// to a shard; in a shard it goes on to the next one while they fill its
+// batches, jumps to a random one when another claim holds its shard, and
+// returns to every aggregate once a shard has fewer due rows than a
+// batch. One dispatcher is never held back by another, and so never
+// claims by shard; a shard's rows are still taken oldest first, and since
+// a dispatcher goes through the shards in turn, no shard waits for the
+// others' backlogs to drain.
+func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
+	if d.st.claimShard == "" && d.st.windowShard == "" || d.runsOnly {
+		return
+	}
+	switch full := seen == d.batchSize; {
+	case shard < 0 && full && took < seen && !blocked:
+		d.shard.Store(rand.Int32N(shards) + 1)
+	case shard < 0:
+	case !full:
+		d.shard.Store(0)
+	case took < seen:
+		d.shard.Store(rand.Int32N(shards) + 1)
+	default:
+		d.shard.Store(int32(shard+1)%shards + 1)
+	}
 }
 
 // claimSteps leases, in q's transaction, what the window win allows
@@ -150,13 +203,13 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 // (no window was read), runs up to the batch size, none of them in taken.
 // It reports whether the window held rows back behind a predecessor that
 // is not in flight.
-func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow, runsOnly bool, taken map[int64]bool) ([]claimed, bool, error) {
+func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow, runsOnly, topUp bool, taken map[int64]bool) ([]claimed, bool, error) {
 	ts := d.d.timeArg(now)
 	ids, blocked, err := d.pickOldest(ctx, q, ts, win)
 	if err != nil {
 		return nil, false, err
 	}
-	if room := d.batchSize - len(ids) - len(taken); (runsOnly || len(ids) < len(win)) && room > 0 {
+	if room := d.batchSize - len(ids) - len(taken); (runsOnly || topUp && len(ids) < len(win)) && room > 0 {
 		if taken == nil {
 			taken = make(map[int64]bool, len(ids))
 		}
@@ -184,8 +237,12 @@ func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, b
 // claimOldest runs the engine's one-statement oldest-first claim and
 // returns the window's size, the rows it leased, and whether it held rows
 // back behind a predecessor that is not in flight.
-func (d *Dispatcher) claimOldest(ctx context.Context, now time.Time, batchID string) (seen int, rows []claimed, blocked bool, err error) {
-	res, err := d.pool().QueryContext(ctx, d.st.claim, batchID, d.d.timeArg(now.Add(d.lease)), d.d.timeArg(now), d.batchSize)
+func (d *Dispatcher) claimOldest(ctx context.Context, now time.Time, batchID string, shard int) (seen int, rows []claimed, blocked bool, err error) {
+	query, args := d.st.claim, []any{batchID, d.d.timeArg(now.Add(d.lease)), d.d.timeArg(now), d.batchSize}
+	if shard >= 0 {
+		query, args = d.st.claimShard, append(args, shard)
+	}
+	res, err := d.pool().QueryContext(ctx, query, args...)
 	if err != nil {
 		return 0, nil, false, err
 	}

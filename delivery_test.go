@@ -417,89 +417,102 @@ func TestRunDeliversWhatIsWrittenWhileItRuns(t *testing.T) {
 // acceptances are 1, 2, 3, ... and that nothing is lost or claimed twice
 // while its lease lives.
 func TestConcurrentDispatchersDeliverEachEventOnceInOrder(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		const aggregates, perAggregate = 6, 40
-		for range perAggregate {
-			for a := range aggregates {
-				publishN(t, b.db, fmt.Sprint(a), 1)
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) { concurrentDispatchers(t, e, 6, 40, false) })
+}
+
+// TestConcurrentDispatchersClaimingByShardDeliverEachEventOnceInOrder is
+// TestConcurrentDispatchersDeliverEachEventOnceInOrder with dispatchers
+// that begin by claiming from shards of the aggregates, as they do once
+// they hold each other back, and move between the shards and every
+// aggregate as their claims find them.
+func TestConcurrentDispatchersClaimingByShardDeliverEachEventOnceInOrder(t *testing.T) {
+	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) { concurrentDispatchers(t, e, 24, 15, true) })
+}
+
+func concurrentDispatchers(t *testing.T, e outboxtest.Engine, aggregates, perAggregate int, byShard bool) {
+	b := setup(t, e, nil)
+	for range perAggregate {
+		for a := range aggregates {
+			publishN(t, b.db, fmt.Sprint(a), 1)
+		}
+	}
+	var (
+		mu       sync.Mutex
+		order    deliveries.OrderChecker
+		calls    int
+		inFlight = map[string]bool{}
+	)
+	flaky := outbox.PublisherFunc(func(_ context.Context, batch outbox.Batch) error {
+		mu.Lock()
+		defer mu.Unlock()
+		calls++
+		for _, m := range batch.Messages {
+			if inFlight[m.EventID] {
+				t.Errorf("event %s handed to two dispatchers at once", m.EventID)
 			}
 		}
-		var (
-			mu       sync.Mutex
-			order    deliveries.OrderChecker
-			calls    int
-			inFlight = map[string]bool{}
-		)
-		flaky := outbox.PublisherFunc(func(_ context.Context, batch outbox.Batch) error {
-			mu.Lock()
-			defer mu.Unlock()
-			calls++
-			for _, m := range batch.Messages {
-				if inFlight[m.EventID] {
-					t.Errorf("event %s handed to two dispatchers at once", m.EventID)
-				}
-			}
-			if calls%5 == 0 {
-				return errors.New("transient")
-			}
-			failed := map[string]error{}
-			stopped := map[string]bool{}
-			for i, m := range batch.Messages {
-				if stopped[m.AggregateID] {
-					failed[m.EventID] = outbox.ErrNotAttempted
-					continue
-				}
-				if (calls+i)%7 == 0 {
-					failed[m.EventID] = errors.New("partial")
-					stopped[m.AggregateID] = true
-					continue
-				}
-				if err := order.Accept(m); err != nil {
-					t.Error(err)
-				}
-			}
-			if len(failed) > 0 {
-				return &outbox.PartialError{Failed: failed}
-			}
-			return nil
-		})
-		zero := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
-		var wg sync.WaitGroup
-		deadline := time.Now().Add(60 * time.Second)
-		for range 4 {
-			db := outboxtest.Reopen(t, b.info, nil)
-			mustNil(t, db.Use(outbox.Plugin()))
-			d := newDispatcher(t, db, flaky, outbox.WithBatchSize(7), outbox.WithRetryPolicy(zero),
-				outbox.WithMaxAttempts(1000), outbox.WithPollInterval(10*time.Millisecond))
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for time.Now().Before(deadline) {
-					if _, err := d.DispatchOnce(context.Background()); err != nil {
-						t.Errorf("DispatchOnce: %v", err)
-						return
-					}
-					var left int64
-					if err := db.Raw(`SELECT count(*) FROM outbox_records WHERE delivery_state <> 'delivered'`).Scan(&left).Error; err != nil || left == 0 {
-						return
-					}
-				}
-			}()
+		if calls%5 == 0 {
+			return errors.New("transient")
 		}
-		wg.Wait()
-		var aggs []string
-		for a, n := range order.Accepted() {
-			if n != perAggregate {
-				t.Errorf("aggregate %s: %d of %d events accepted", a, n, perAggregate)
+		failed := map[string]error{}
+		stopped := map[string]bool{}
+		for i, m := range batch.Messages {
+			if stopped[m.AggregateID] {
+				failed[m.EventID] = outbox.ErrNotAttempted
+				continue
 			}
-			aggs = append(aggs, a)
+			if (calls+i)%7 == 0 {
+				failed[m.EventID] = errors.New("partial")
+				stopped[m.AggregateID] = true
+				continue
+			}
+			if err := order.Accept(m); err != nil {
+				t.Error(err)
+			}
 		}
-		sort.Strings(aggs)
-		if len(aggs) != aggregates {
-			t.Fatalf("accepted events of %d aggregates, want %d", len(aggs), aggregates)
+		if len(failed) > 0 {
+			return &outbox.PartialError{Failed: failed}
 		}
+		return nil
 	})
+	zero := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(60 * time.Second)
+	for i := range 4 {
+		db := outboxtest.Reopen(t, b.info, nil)
+		mustNil(t, db.Use(outbox.Plugin()))
+		d := newDispatcher(t, db, flaky, outbox.WithBatchSize(7), outbox.WithRetryPolicy(zero),
+			outbox.WithMaxAttempts(1000), outbox.WithPollInterval(10*time.Millisecond))
+		if byShard {
+			outbox.ClaimByShard(d, 2*i)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				if _, err := d.DispatchOnce(context.Background()); err != nil {
+					t.Errorf("DispatchOnce: %v", err)
+					return
+				}
+				var left int64
+				if err := db.Raw(`SELECT count(*) FROM outbox_records WHERE delivery_state <> 'delivered'`).Scan(&left).Error; err != nil || left == 0 {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	var aggs []string
+	for a, n := range order.Accepted() {
+		if n != int64(perAggregate) {
+			t.Errorf("aggregate %s: %d of %d events accepted", a, n, perAggregate)
+		}
+		aggs = append(aggs, a)
+	}
+	sort.Strings(aggs)
+	if len(aggs) != aggregates {
+		t.Fatalf("accepted events of %d aggregates, want %d", len(aggs), aggregates)
+	}
 }
 
 func TestNewDispatcherValidatesOptions(t *testing.T) {

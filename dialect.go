@@ -126,10 +126,19 @@ type statements struct {
 	// elsewhere: the claim then runs window, undelivered and lease in
 	// claimTx.
 	claim string
+	// claimShard (batch id, lease end, now, limit, shard): claim, with
+	// its window limited to the aggregates of one shard (0 to shards-1,
+	// by a hash of aggregate type and id that the engine chooses). Empty
+	// where claim is empty.
+	claimShard string
 	// window (now, limit): the oldest claimable rows, in due order
 	// (next_attempt_at, id), locked, skipping rows another claim holds.
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
 	window string
+	// windowShard (now, limit, shard): window, limited to the aggregates
+	// of one shard, as in claimShard; for engines without claim. Empty
+	// where claims never read by shard (SQLite: its claims never overlap).
+	windowShard string
 	// undelivered (now, eventList): for each event, in the list's order,
 	// NULL when its row is delivered or gone; 'flight' when it is leased
 	// (delivering, its lease not passed) or due no later than the event

@@ -75,6 +75,7 @@ var methodChecks = []conformanceCheck{
 var statementChecks = []conformanceCheck{
 	{"Claim", checkClaim},
 	{"Window", checkWindow},
+	{"Shards", checkShards},
 	{"Undelivered", checkUndelivered},
 	{"Heads", checkHeads},
 	{"Runs", checkRuns},
@@ -1934,5 +1935,83 @@ func checkLastFailure(t *testing.T, c *conformance) {
 	var last sql.NullString
 	if err := c.pool().QueryRowContext(ctx, c.st.lastFailure).Scan(&last); err != nil || last.String != newer.lastErr {
 		t.Fatalf("last failure %v, %v; want %q", last, err, newer.lastErr)
+	}
+}
+
+// The shards partition the aggregates: claims by shard, one per shard,
+// read every claimable row once, each aggregate's rows in one shard, and
+// nothing that is not claimable.
+func checkShards(t *testing.T, c *conformance) {
+	if c.st.claimShard == "" && c.st.windowShard == "" {
+		t.Skip("claims never read by shard")
+	}
+	want := map[int64]string{}
+	for a := range 40 {
+		agg := fmt.Sprint(a)
+		for range 3 {
+			want[c.put(t, agg, dueAt(c.ago(time.Minute)))] = agg
+		}
+		c.put(t, agg, dueAt(c.in(time.Hour)))
+	}
+	c.put(t, "leased", leasedUntil(c.in(time.Hour), "other"))
+	shardOf := map[string]int{}
+	seen := map[int64]bool{}
+	for shard := range shards {
+		var got []int64
+		if c.st.claimShard != "" {
+			res, err := c.pool().QueryContext(ctx, c.st.claimShard, fmt.Sprint("s", shard), c.ts(c.in(30*time.Second)), c.ts(c.now), 1000, shard)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for res.Next() {
+				var (
+					seen    int
+					blocked bool
+					id      sql.NullInt64
+					rest    [10]any
+				)
+				dest := []any{&seen, &blocked, &id}
+				for i := range rest {
+					dest = append(dest, &rest[i])
+				}
+				if err := res.Scan(dest...); err != nil {
+					t.Fatal(err)
+				}
+				if id.Valid {
+					got = append(got, id.Int64)
+				}
+			}
+			if err := errors.Join(res.Err(), res.Close()); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			c.claimTx(t, func(q querier) error {
+				rows, err := queryRows(ctx, q, c.st.windowShard, c.ts(c.now), 1000, shard)
+				got = ids(rows)
+				return err
+			})
+		}
+		for _, id := range got {
+			agg, ok := want[id]
+			switch {
+			case !ok:
+				t.Errorf("shard %d read row %d, which is not claimable", shard, id)
+			case seen[id]:
+				t.Errorf("row %d read twice", id)
+			case shardOf[agg] != 0 && shardOf[agg] != shard+1:
+				t.Errorf("aggregate %s in shards %d and %d", agg, shardOf[agg]-1, shard)
+			}
+			seen[id], shardOf[agg] = true, shard+1
+		}
+	}
+	if len(seen) != len(want) {
+		t.Errorf("the shards read %d of the %d claimable rows", len(seen), len(want))
+	}
+	used := map[int]bool{}
+	for _, s := range shardOf {
+		used[s] = true
+	}
+	if len(used) < shards/2 {
+		t.Errorf("40 aggregates fell into %d of %d shards", len(used), shards)
 	}
 }

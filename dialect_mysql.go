@@ -103,6 +103,11 @@ WHERE due_at <= ?1
 ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,
+		windowShard: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+WHERE due_at <= ?1 AND (CRC32(CONCAT(aggregate_type, '/', aggregate_id)) & 7) = ?3
+ORDER BY due_at, id
+LIMIT ?2
+FOR UPDATE SKIP LOCKED`,
 
 		undelivered: `SELECT (
 	SELECT CASE

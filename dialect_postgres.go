@@ -119,6 +119,45 @@ FOR UPDATE SKIP LOCKED`,
 SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s), false), leased.*
 FROM (SELECT 1) one LEFT JOIN leased ON true`,
 
+		claimShard: `WITH w AS MATERIALIZED (
+	SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $3
+		AND (locked_until IS NULL OR locked_until <= $3)
+		AND (hashtext(aggregate_type || '/' || aggregate_id) & 7) = $5
+	ORDER BY next_attempt_at, id
+	LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), s AS MATERIALIZED (
+	SELECT f.aggregate_type, f.aggregate_id, f.first, CASE WHEN f.first = 1 THEN NULL ELSE (
+		SELECT CASE
+			WHEN p.delivery_state = 'delivering' AND p.locked_until > $3 THEN 'flight'
+			WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $3 AND p.next_attempt_at <= (
+				SELECT n.next_attempt_at FROM ` + r + ` n
+				WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+					AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+			ELSE 'waits' END
+		FROM ` + r + ` p
+		WHERE p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
+			AND p.aggregate_sequence = f.first - 1 AND p.delivery_state <> 'delivered') END AS pred
+	FROM (SELECT aggregate_type, aggregate_id, min(aggregate_sequence) AS first FROM w GROUP BY aggregate_type, aggregate_id) f
+), pick AS (
+	SELECT x.id FROM (
+		SELECT w.id, w.aggregate_sequence - s.first AS off,
+			row_number() OVER (PARTITION BY w.aggregate_type, w.aggregate_id ORDER BY w.aggregate_sequence) - 1 AS rank
+		FROM w JOIN s ON s.aggregate_type = w.aggregate_type AND s.aggregate_id = w.aggregate_id
+		WHERE s.pred IS NULL
+	) x
+	WHERE x.off = x.rank
+), leased AS (
+	UPDATE ` + r + ` SET
+		delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
+	WHERE id IN (SELECT id FROM pick) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+	RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+		idempotency_key, payload, headers, occurred_at, delivery_attempts
+)
+SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s), false), leased.*
+FROM (SELECT 1) one LEFT JOIN leased ON true`,
+
 		undelivered: `SELECT (
 	SELECT CASE
 		WHEN p.delivery_state = 'delivering' AND p.locked_until > $1 THEN 'flight'

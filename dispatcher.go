@@ -106,6 +106,7 @@ type Dispatcher struct {
 	inProcess atomic.Bool  // Run is woken by in-process writes
 	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
 	runsOnly  bool         // claims skip the window: set by tests that specify run claims
+	shard     atomic.Int32 // 0: claims read every aggregate; s > 0: shard s-1 only (claimShard)
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
