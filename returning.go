@@ -49,7 +49,11 @@ type returned struct {
 	existing map[string]bool
 	keys     []*schema.Field // the fields of those keys
 	upsert   bool            // the statement was an upsert that may update
-	op       Op              // the statement's kind
+	// unchanged: the upsert's assignments set every column to itself (how
+	// GORM writes DoNothing on MySQL), so a row it did not insert is
+	// one it left as it was, and records nothing.
+	unchanged bool
+	op        Op // the statement's kind
 }
 
 // returning makes the statement a dry run for GORM's own write callback,
@@ -100,9 +104,15 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 			r.cols = append(r.cols, f)
 		}
 	}
-	if !d.returnsRows(op) {
-		if (op == OpUpdate || op == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
-			return r, p.lockAndRead(db, r)
+	// A soft delete is an UPDATE: what the engine returns, and what is
+	// read back, is that of an update.
+	kind := op
+	if op == OpDelete && strings.HasPrefix(strings.TrimSpace(stmt.SQL.String()), "UPDATE") {
+		kind = OpUpdate
+	}
+	if !d.returnsRows(kind) {
+		if (kind == OpUpdate || kind == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
+			return r, p.lockAndRead(db, r, kind)
 		}
 		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
 			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
@@ -181,8 +191,9 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 // the statement's WHERE matches (SELECT ... FOR UPDATE, so that no other
 // transaction changes which rows those are), then runs the statement, and
 // reads the rows as stored: after an update, by primary key; for a delete,
-// the rows as they were, read with the lock.
-func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned) error {
+// the rows as they were, read with the lock. kind is what the SQL does
+// (a soft delete is an update).
+func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 	stmt := db.Statement
 	pk := stmt.Schema.PrimaryFields[0]
 	read := func(where clause.Expression) error {
@@ -219,7 +230,7 @@ func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned) error {
 	if n, err := res.RowsAffected(); err == nil {
 		db.RowsAffected = n
 	}
-	if r.op == OpDelete || len(r.rows) == 0 {
+	if kind == OpDelete || len(r.rows) == 0 {
 		return nil
 	}
 	idx := slices.Index(r.cols, pk)
@@ -276,6 +287,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 		return nil
 	}
 	r.upsert = true
+	r.unchanged = !oc.UpdateAll && selfAssigned(oc.DoUpdates)
 	if d.insertedColumn() != "" {
 		return nil
 	}
@@ -283,19 +295,23 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 		return fmt.Errorf("%w: upsert of %s on %s: %s; write the rows one by one, or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
 			ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), why)
 	}
-	if len(oc.Columns) == 0 || oc.OnConstraint != "" {
+	kr, ok := d.(existingKeyReader)
+	if !ok {
+		return refuse("the engine cannot tell updated rows from inserted ones")
+	}
+	columns := oc.Columns
+	if len(columns) == 0 && oc.OnConstraint == "" {
+		columns = kr.defaultConflictColumns(stmt)
+	}
+	if len(columns) == 0 || oc.OnConstraint != "" {
 		return refuse("the plugin needs the conflict columns (clause.OnConflict{Columns: ...}) to tell updated rows from inserted ones")
 	}
-	for _, c := range oc.Columns {
+	for _, c := range columns {
 		f := stmt.Schema.LookUpField(c.Name)
 		if f == nil || f.DBName == "" {
 			return refuse(fmt.Sprintf("the conflict column %q is not a column of the model", c.Name))
 		}
 		r.keys = append(r.keys, f)
-	}
-	kr, ok := d.(existingKeyReader)
-	if !ok {
-		return refuse("the engine cannot tell updated rows from inserted ones")
 	}
 	models := modelsOf(stmt)
 	if models == nil {
@@ -307,6 +323,18 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 	}
 	r.existing = existing
 	return nil
+}
+
+// selfAssigned reports whether every assignment of an upsert sets a
+// column to itself, which changes no row it does not insert.
+func selfAssigned(as []clause.Assignment) bool {
+	for _, a := range as {
+		v, ok := a.Value.(clause.Column)
+		if !ok || v.Table == "excluded" || v.Raw || !strings.EqualFold(v.Name, a.Column.Name) {
+			return false
+		}
+	}
+	return len(as) > 0
 }
 
 // hidingRows hands GORM the columns it asked for, and keeps the plugin's
@@ -436,8 +464,12 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		out[i] = written{model: m, op: op}
 		if op == OpCreate && r.upsert && r.updated(ctx, fresh[i], row) {
 			out[i].op = OpUpdate
+			if r.unchanged {
+				out[i].model = reflect.Value{}
+			}
 		}
 	}
+	out = slices.DeleteFunc(out, func(w written) bool { return !w.model.IsValid() })
 	for _, row := range r.rows {
 		for j, f := range r.cols {
 			f.NewValuePool.Put(row.values[j])
@@ -512,6 +544,9 @@ type existingKeyReader interface {
 	// that exist in the statement's table, read through conn inside the
 	// statement's transaction so that they stay true until the upsert.
 	existingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value) (map[string]bool, error)
+	// defaultConflictColumns returns the conflict columns of an upsert
+	// that names none, or nil where the engine needs them named.
+	defaultConflictColumns(stmt *gorm.Statement) []clause.Column
 }
 
 // existingChunk is how many rows one read of existing conflict keys names.
@@ -519,8 +554,10 @@ const existingChunk = 200
 
 // readExistingKeys reads which of the models' values of keys exist in the
 // statement's table, with lock appended to each read (a row lock where the
-// engine has one), and returns them as keyText keys.
-func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value, bind func(string) string, lock string) (map[string]bool, error) {
+// engine has one), and returns them as keyText keys. The keys are listed
+// as VALUES, or with rowList as a list of row constructors (MariaDB
+// answers `(a) IN (VALUES (?))` with no rows in a prepared statement).
+func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value, bind func(string) string, lock string, rowList bool) (map[string]bool, error) {
 	var cols strings.Builder
 	for i, f := range keys {
 		if i > 0 {
@@ -529,6 +566,10 @@ func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statem
 		stmt.QuoteTo(&cols, f.DBName)
 	}
 	tuple := "(?" + strings.Repeat(", ?", len(keys)-1) + ")"
+	values := "VALUES "
+	if rowList {
+		values = ""
+	}
 	existing := make(map[string]bool)
 	for start := 0; start < len(models); start += existingChunk {
 		chunk := models[start:min(start+existingChunk, len(models))]
@@ -540,7 +581,7 @@ func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statem
 			}
 		}
 		query := "SELECT " + cols.String() + " FROM " + stmt.Quote(stmt.Table) +
-			" WHERE (" + cols.String() + ") IN (VALUES " + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + lock
+			" WHERE (" + cols.String() + ") IN (" + values + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + lock
 		rows, err := conn.QueryContext(ctx, bind(query), args...)
 		if err != nil {
 			return nil, err

@@ -5,6 +5,7 @@ import (
 	"reflect"
 
 	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
 	"gorm.io/gorm/schema"
 )
 
@@ -19,7 +20,7 @@ func (sqliteDialect) insertedColumn() string { return "" }
 // SQLITE_BUSY otherwise), so what it reads is still true when the upsert
 // runs.
 func (d sqliteDialect) existingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value) (map[string]bool, error) {
-	return readExistingKeys(ctx, conn, stmt, keys, models, d.bind, "")
+	return readExistingKeys(ctx, conn, stmt, keys, models, d.bind, "", false)
 }
 
 // errorAbortsTx is false: after a failed statement a SQLite transaction
@@ -28,3 +29,6 @@ func (sqliteDialect) errorAbortsTx() bool { return false }
 
 // returnsRows: INSERT, UPDATE and DELETE all take RETURNING.
 func (sqliteDialect) returnsRows(Op) bool { return true }
+
+// defaultConflictColumns: SQLite's ON CONFLICT DO UPDATE names its target.
+func (sqliteDialect) defaultConflictColumns(*gorm.Statement) []clause.Column { return nil }

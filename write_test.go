@@ -355,7 +355,9 @@ func TestGlobalWriteKeepsGormsMissingWhereClauseError(t *testing.T) {
 
 // TestUpsertWithoutConflictColumnsIsRefusedOnSQLite: SQLite's RETURNING
 // does not say whether an upsert inserted or updated a row, so the plugin
-// reads the conflict keys first, and needs to be told them.
+// reads the conflict keys first, and needs to be told them. PostgreSQL
+// says in RETURNING which rows it inserted; on MySQL the conflict key is
+// the primary key (the table's one unique key here).
 func TestUpsertWithoutConflictColumnsIsRefusedOnSQLite(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
@@ -365,7 +367,7 @@ func TestUpsertWithoutConflictColumnsIsRefusedOnSQLite(t *testing.T) {
 			up.OnConstraint = "orders_pkey"
 		}
 		err := b.db.Clauses(up).Create(&[]Order{{ID: 1, Status: "b"}, {ID: 2, Status: "c"}}).Error
-		if e == outboxtest.Postgres {
+		if e != outboxtest.SQLite {
 			mustNil(t, err)
 			got := styleEvents(t, b, 1)
 			want := []string{`order.update order/1#2 {"ID":1,"Status":"b","Total":0}`, `order.create order/2#1 {"ID":2,"Status":"c","Total":0}`}

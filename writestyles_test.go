@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -221,6 +222,9 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 			mustNil(t, db.Model(&Order{}).Where("status = ?", "new").Update("status", "w").Error)
 		}, []string{`order.update order/1#2 {"ID":1,"Status":"w","Total":1}`, `order.update order/2#1 {"ID":2,"Status":"w","Total":2}`}},
 		{"UpdateFrom", func(t *testing.T, db *gorm.DB) {
+			if db.Dialector.Name() == "mysql" {
+				t.Skip("MySQL: an UPDATE takes no FROM clause, and GORM writes none there")
+			}
 			mustNil(t, db.Create(&Doc{Title: "new"}).Error)
 			mustNil(t, db.Model(&Order{}).Clauses(clause.From{Tables: []clause.Table{{Name: "docs"}}}).
 				Where("docs.title = orders.status").Update("total", gorm.Expr("docs.rev")).Error)
@@ -232,7 +236,17 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 		{"OnConflictDoNothingHitWithoutKey", func(t *testing.T, db *gorm.DB) {
 			mustNil(t, db.Exec(`CREATE UNIQUE INDEX orders_status ON orders (status)`).Error)
 			o := Order{Status: "new", Total: 9}
-			mustNil(t, db.Clauses(clause.OnConflict{DoNothing: true}).Create(&o).Error)
+			err := db.Clauses(clause.OnConflict{DoNothing: true}).Create(&o).Error
+			if db.Dialector.Name() == "mysql" {
+				// ON DUPLICATE KEY fires on any unique key, and this table
+				// has two: the plugin cannot tell which rows the upsert
+				// inserts, so it refuses before writing anything.
+				if !errors.Is(err, outbox.ErrUnidentifiedRows) {
+					t.Fatalf("upsert on a table with two unique keys: %v, want ErrUnidentifiedRows", err)
+				}
+				return
+			}
+			mustNil(t, err)
 		}, nil},
 		{"OnConflictDoNothingMiss", func(t *testing.T, db *gorm.DB) {
 			mustNil(t, db.Clauses(clause.OnConflict{DoNothing: true}).Create(&[]Order{{ID: 1, Status: "dup"}, {ID: 5, Status: "five"}}).Error)
@@ -379,9 +393,6 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-				if e == outboxtest.MySQL {
-					t.Skip("MySQL: the write styles are not yet mapped there (an upsert, ON DUPLICATE KEY UPDATE, names no conflict columns)")
-				}
 				b := setup(t, e, nil)
 				mustNil(t, b.db.AutoMigrate(&SoftOrder{}, &Doc{}, &Shouty{}, &Buyer{}, &Bill{}, &Line{}, &Person{}, &Profile{}))
 				mustNil(t, b.db.Create(&Order{Status: "new", Total: 1}).Error)
@@ -431,9 +442,6 @@ func TestWritesRecordTheSameUnderEveryConfiguration(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-				if e == outboxtest.MySQL {
-					t.Skip("MySQL: the write styles are not yet mapped there (an upsert, ON DUPLICATE KEY UPDATE, names no conflict columns)")
-				}
 				b := setup(t, e, cfg)
 				mustNil(t, b.db.Create(&[]Order{{Status: "a", Total: 1}, {Status: "b", Total: 2}}).Error)
 				mustNil(t, b.db.Model(&Order{}).Where("total > ?", 1).Update("total", gorm.Expr("total * 10")).Error)
