@@ -114,6 +114,11 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 		if (kind == OpUpdate || kind == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
 			return r, p.lockAndRead(db, r, kind)
 		}
+		if _, upsert := upsertClause(stmt); kind == OpCreate && !upsert {
+			if keys, ok := insertKeys(stmt); ok {
+				return r, p.insertAndRead(db, r, keys)
+			}
+		}
 		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
 			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
 	}
@@ -196,28 +201,7 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 	stmt := db.Statement
 	pk := stmt.Schema.PrimaryFields[0]
-	read := func(where clause.Expression) error {
-		sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
-		cols := make([]clause.Column, len(r.cols))
-		for i, f := range r.cols {
-			cols[i] = clause.Column{Table: stmt.Table, Name: f.DBName}
-		}
-		sel.AddClause(clause.Select{Columns: cols})
-		sel.AddClause(clause.From{})
-		if where != nil {
-			sel.AddClause(clause.Where{Exprs: []clause.Expression{where}})
-		} else if w, ok := stmt.Clauses["WHERE"]; ok {
-			sel.Clauses["WHERE"] = w
-		}
-		sel.AddClause(clause.Locking{Strength: clause.LockingStrengthUpdate})
-		sel.Build("SELECT", "FROM", "WHERE", "FOR")
-		rows, err := stmt.ConnPool.QueryContext(stmt.Context, sel.SQL.String(), sel.Vars...)
-		if err != nil {
-			return err
-		}
-		return (&hidingRows{Rows: rows, r: r}).drain()
-	}
-	if err := read(nil); err != nil {
+	if err := readRows(db, r, nil); err != nil {
 		return err
 	}
 	res, err := stmt.ConnPool.ExecContext(stmt.Context, stmt.SQL.String(), stmt.Vars...)
@@ -239,7 +223,126 @@ func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 		ids[i] = row.values[idx]
 	}
 	r.rows = nil
-	return read(clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids})
+	return readRows(db, r, clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids})
+}
+
+// readRows reads, locked, the rows of the statement's table that where
+// matches (the statement's own WHERE when where is nil) into r.
+func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
+	stmt := db.Statement
+	sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
+	cols := make([]clause.Column, len(r.cols))
+	for i, f := range r.cols {
+		cols[i] = clause.Column{Table: stmt.Table, Name: f.DBName}
+	}
+	sel.AddClause(clause.Select{Columns: cols})
+	sel.AddClause(clause.From{})
+	if where != nil {
+		sel.AddClause(clause.Where{Exprs: []clause.Expression{where}})
+	} else if w, ok := stmt.Clauses["WHERE"]; ok {
+		sel.Clauses["WHERE"] = w
+	}
+	sel.AddClause(clause.Locking{Strength: clause.LockingStrengthUpdate})
+	sel.Build("SELECT", "FROM", "WHERE", "FOR")
+	rows, err := stmt.ConnPool.QueryContext(stmt.Context, sel.SQL.String(), sel.Vars...)
+	if err != nil {
+		return err
+	}
+	return (&hidingRows{Rows: rows, r: r}).drain()
+}
+
+// insertKeys tells, before a create runs on an engine without INSERT ...
+// RETURNING (MySQL 8), how its rows' primary keys will be known: from the
+// models, when every one holds its key (given is true), or from the
+// auto-increment counter, when none does. It reports false for anything
+// else (rows from maps, composite keys, some keys given and some not),
+// which the plugin then refuses.
+func insertKeys(stmt *gorm.Statement) (given, ok bool) {
+	models := modelsOf(stmt)
+	if len(stmt.Schema.PrimaryFields) != 1 || len(models) == 0 {
+		return false, false
+	}
+	pk := stmt.Schema.PrimaryFields[0]
+	set := 0
+	for _, m := range models {
+		if _, zero := pk.ValueOf(stmt.Context, m); !zero {
+			set++
+		}
+	}
+	switch {
+	case set == len(models):
+		return true, true
+	case set == 0 && pk.AutoIncrement:
+		return false, true
+	}
+	return false, false
+}
+
+// insertAndRead runs a create on an engine without INSERT ... RETURNING
+// (MySQL 8) and reads the rows it inserted back by primary key, in the
+// statement's transaction, so that each event says what its row holds,
+// defaults included. Keys not given are the auto-increment values, which
+// InnoDB hands a multi-row INSERT ... VALUES consecutively from
+// LAST_INSERT_ID() in every innodb_autoinc_lock_mode (its number of rows
+// is known in advance, a "simple insert"; GORM fills keys in the same
+// way); the plugin sets them in the models, as GORM would have.
+func (p *OutboxPlugin) insertAndRead(db *gorm.DB, r *returned, given bool) error {
+	stmt := db.Statement
+	ctx := stmt.Context
+	res, err := stmt.ConnPool.ExecContext(ctx, stmt.SQL.String(), stmt.Vars...)
+	if err != nil {
+		return err
+	}
+	if stmt.Result != nil {
+		stmt.Result.Result = res
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return err
+	}
+	db.RowsAffected = n
+	models := modelsOf(stmt)
+	if n != int64(len(models)) {
+		return fmt.Errorf("outbox: create of %s inserted %d rows of %d", stmt.Schema.Name, n, len(models))
+	}
+	pk := stmt.Schema.PrimaryFields[0]
+	ids := make([]any, len(models))
+	var first int64
+	if !given {
+		if first, err = res.LastInsertId(); err != nil {
+			return err
+		}
+	}
+	for i, m := range models {
+		if given {
+			ids[i], _ = pk.ValueOf(ctx, m)
+			continue
+		}
+		ids[i] = first + int64(i)
+		if err := pk.Set(ctx, m, first+int64(i)); err != nil {
+			return err
+		}
+	}
+	if err := readRows(db, r, clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids}); err != nil {
+		return err
+	}
+	// In the models' order, which is how the events are matched to them.
+	keys := []*schema.Field{pk}
+	byKey := make(map[string]returnedRow, len(r.rows))
+	for _, row := range r.rows {
+		m := reflect.New(stmt.Schema.ModelType).Elem()
+		r.fill(ctx, m, row)
+		byKey[keyText(ctx, keys, m)] = row
+	}
+	r.rows = r.rows[:0]
+	for _, m := range models {
+		row, ok := byKey[keyText(ctx, keys, m)]
+		if !ok {
+			return fmt.Errorf("outbox: create of %s: an inserted row was not found by its key", stmt.Schema.Name)
+		}
+		r.rows = append(r.rows, row)
+	}
+	return nil
 }
 
 // gormReturns reports whether GORM's own statement has a RETURNING
