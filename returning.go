@@ -285,7 +285,9 @@ func insertKeys(stmt *gorm.Statement) (given, ok bool) {
 // InnoDB hands a multi-row INSERT ... VALUES consecutively from
 // LAST_INSERT_ID() in every innodb_autoinc_lock_mode (its number of rows
 // is known in advance, a "simple insert"; GORM fills keys in the same
-// way); the plugin sets them in the models, as GORM would have.
+// way; a server whose auto_increment_increment is above 1 numbers them
+// otherwise, and the read back then fails the create); the plugin sets
+// them in the models, as GORM would have.
 func (p *OutboxPlugin) insertAndRead(db *gorm.DB, r *returned, given bool) error {
 	stmt := db.Statement
 	ctx := stmt.Context
