@@ -80,83 +80,13 @@ FOR UPDATE SKIP LOCKED`,
 		// gap or a repeat (pick); and the lease of those. It always
 		// returns at least one row: the window's size and whether a
 		// predecessor waits (not in flight), then each leased row's
-		// columns, NULL when it leased none.
-		claim: `WITH w AS MATERIALIZED (
-	SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
-	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $3
-		AND (locked_until IS NULL OR locked_until <= $3)
-	ORDER BY next_attempt_at, id
-	LIMIT $4
-	FOR UPDATE SKIP LOCKED
-), s AS MATERIALIZED (
-	SELECT f.aggregate_type, f.aggregate_id, f.first, CASE WHEN f.first = 1 THEN NULL ELSE (
-		SELECT CASE
-			WHEN p.delivery_state = 'delivering' AND p.locked_until > $3 THEN 'flight'
-			WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $3 AND p.next_attempt_at <= (
-				SELECT n.next_attempt_at FROM ` + r + ` n
-				WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
-					AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
-			ELSE 'waits' END
-		FROM ` + r + ` p
-		WHERE p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
-			AND p.aggregate_sequence = f.first - 1 AND p.delivery_state <> 'delivered') END AS pred
-	FROM (SELECT aggregate_type, aggregate_id, min(aggregate_sequence) AS first FROM w GROUP BY aggregate_type, aggregate_id) f
-), pick AS (
-	SELECT x.id FROM (
-		SELECT w.id, w.aggregate_sequence - s.first AS off,
-			row_number() OVER (PARTITION BY w.aggregate_type, w.aggregate_id ORDER BY w.aggregate_sequence) - 1 AS rank
-		FROM w JOIN s ON s.aggregate_type = w.aggregate_type AND s.aggregate_id = w.aggregate_id
-		WHERE s.pred IS NULL
-	) x
-	WHERE x.off = x.rank
-), leased AS (
-	UPDATE ` + r + ` SET
-		delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
-	WHERE id IN (SELECT id FROM pick) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
-	RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-		idempotency_key, payload, headers, occurred_at, delivery_attempts
-)
-SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s), false), leased.*
-FROM (SELECT 1) one LEFT JOIN leased ON true`,
+		// columns, NULL when it leased none. Its text is pgClaim's, below.
+		claim: pgClaim(r, ""),
 
-		claimShard: `WITH w AS MATERIALIZED (
-	SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
-	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $3
-		AND (locked_until IS NULL OR locked_until <= $3)
-		AND (hashtext(aggregate_type || '/' || aggregate_id) & 7) = $5
-	ORDER BY next_attempt_at, id
-	LIMIT $4
-	FOR UPDATE SKIP LOCKED
-), s AS MATERIALIZED (
-	SELECT f.aggregate_type, f.aggregate_id, f.first, CASE WHEN f.first = 1 THEN NULL ELSE (
-		SELECT CASE
-			WHEN p.delivery_state = 'delivering' AND p.locked_until > $3 THEN 'flight'
-			WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $3 AND p.next_attempt_at <= (
-				SELECT n.next_attempt_at FROM ` + r + ` n
-				WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
-					AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
-			ELSE 'waits' END
-		FROM ` + r + ` p
-		WHERE p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
-			AND p.aggregate_sequence = f.first - 1 AND p.delivery_state <> 'delivered') END AS pred
-	FROM (SELECT aggregate_type, aggregate_id, min(aggregate_sequence) AS first FROM w GROUP BY aggregate_type, aggregate_id) f
-), pick AS (
-	SELECT x.id FROM (
-		SELECT w.id, w.aggregate_sequence - s.first AS off,
-			row_number() OVER (PARTITION BY w.aggregate_type, w.aggregate_id ORDER BY w.aggregate_sequence) - 1 AS rank
-		FROM w JOIN s ON s.aggregate_type = w.aggregate_type AND s.aggregate_id = w.aggregate_id
-		WHERE s.pred IS NULL
-	) x
-	WHERE x.off = x.rank
-), leased AS (
-	UPDATE ` + r + ` SET
-		delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
-	WHERE id IN (SELECT id FROM pick) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
-	RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-		idempotency_key, payload, headers, occurred_at, delivery_attempts
-)
-SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s), false), leased.*
-FROM (SELECT 1) one LEFT JOIN leased ON true`,
+		// claimShard is claim with its window limited to one shard ($5) of
+		// the aggregates, by a hash of aggregate type and id.
+		claimShard: pgClaim(r, `
+		AND (hashtext(aggregate_type || '/' || aggregate_id) & 7) = $5`),
 
 		undelivered: `SELECT (
 	SELECT CASE
@@ -300,6 +230,48 @@ WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <
 	AND (locked_until IS NULL OR locked_until <= $1)`,
 		lastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
 	}
+}
+
+// pgClaim returns the one-statement claim on table r, its window narrowed
+// by the condition window ("" for none, or "AND ...").
+func pgClaim(r, window string) string {
+	return `WITH w AS MATERIALIZED (
+	SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+	WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $3
+		AND (locked_until IS NULL OR locked_until <= $3)` + window + `
+	ORDER BY next_attempt_at, id
+	LIMIT $4
+	FOR UPDATE SKIP LOCKED
+), s AS MATERIALIZED (
+	SELECT f.aggregate_type, f.aggregate_id, f.first, CASE WHEN f.first = 1 THEN NULL ELSE (
+		SELECT CASE
+			WHEN p.delivery_state = 'delivering' AND p.locked_until > $3 THEN 'flight'
+			WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $3 AND p.next_attempt_at <= (
+				SELECT n.next_attempt_at FROM ` + r + ` n
+				WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
+					AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
+			ELSE 'waits' END
+		FROM ` + r + ` p
+		WHERE p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
+			AND p.aggregate_sequence = f.first - 1 AND p.delivery_state <> 'delivered') END AS pred
+	FROM (SELECT aggregate_type, aggregate_id, min(aggregate_sequence) AS first FROM w GROUP BY aggregate_type, aggregate_id) f
+), pick AS (
+	SELECT x.id FROM (
+		SELECT w.id, w.aggregate_sequence - s.first AS off,
+			row_number() OVER (PARTITION BY w.aggregate_type, w.aggregate_id ORDER BY w.aggregate_sequence) - 1 AS rank
+		FROM w JOIN s ON s.aggregate_type = w.aggregate_type AND s.aggregate_id = w.aggregate_id
+		WHERE s.pred IS NULL
+	) x
+	WHERE x.off = x.rank
+), leased AS (
+	UPDATE ` + r + ` SET
+		delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
+	WHERE id IN (SELECT id FROM pick) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+	RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+		idempotency_key, payload, headers, occurred_at, delivery_attempts
+)
+SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s), false), leased.*
+FROM (SELECT 1) one LEFT JOIN leased ON true`
 }
 
 // claimTx begins the claim's transaction on the pool: on a *sql.DB, or on
