@@ -91,6 +91,10 @@ const (
 	mysqlTime   = `CAST(? AS DATETIME(6))`
 )
 
+// mysqlNoLimit is a LIMIT that keeps all the rows of a derived table and
+// keeps it from being merged into the query around it.
+const mysqlNoLimit = `18446744073709551615`
+
 // mysqlThen separates the statements of a statement list (mysqlTx).
 const mysqlThen = "\n;\n"
 
@@ -104,18 +108,26 @@ ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,
 
-		undelivered: `SELECT (
-	SELECT CASE
+		// One lookup per event through the aggregate index, a LEFT JOIN
+		// rather than a subquery run per row, into a derived table that
+		// LIMIT keeps from being merged: the sort into the list's order is
+		// then one of the narrow rows (i, state) it holds, not of
+		// JSON_TABLE's rows with their VARBINARY(1020) columns, which
+		// MariaDB sorts by position and reads back.
+		undelivered: `SELECT s.state FROM (
+	SELECT u.i, CASE
+		WHEN p.id IS NULL THEN NULL
 		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
 		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= ?1 AND p.next_attempt_at <= (
 			SELECT n.next_attempt_at FROM ` + r + ` n
 			WHERE n.aggregate_type = p.aggregate_type AND n.undelivered_id = p.aggregate_id
 				AND n.aggregate_sequence = p.aggregate_sequence + 1) THEN 'flight'
-		ELSE 'waits' END
-	FROM ` + r + ` p
-	WHERE p.aggregate_type = u.typ AND p.undelivered_id = u.agg AND p.aggregate_sequence = u.seq)
-FROM JSON_TABLE(?2, ` + mysqlEvents + `) u
-ORDER BY u.i`,
+		ELSE 'waits' END AS state
+	FROM JSON_TABLE(?2, ` + mysqlEvents + `) u
+	LEFT JOIN ` + r + ` p ON p.aggregate_type = u.typ AND p.undelivered_id = u.agg AND p.aggregate_sequence = u.seq
+	LIMIT ` + mysqlNoLimit + `
+) s
+ORDER BY s.i`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
 	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.due_at FROM ` + r + ` c
@@ -130,12 +142,24 @@ WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
 ORDER BY w.due_at, w.id
 LIMIT ?3`,
 
-		// MariaDB has no LATERAL: each head's run is the range join
-		// [seq, seq + span) through the aggregate index.
-		runs: `SELECT u.i, x.id, x.aggregate_sequence, coalesce(x.due_at <= ?1, FALSE)
+		// MariaDB has no LATERAL. A range join (sequence >= u.seq AND <
+		// u.seq + span) reads a head's aggregate through the index by
+		// (aggregate_type, undelivered_id) alone, every undelivered entry
+		// of it, the range only filtering them: a run cost its aggregate's
+		// backlog. Instead each head is joined to the offsets of its span
+		// (the ordinals of a JSON array of span elements), and each of its
+		// sequences is looked up by the whole index key: span lookups a
+		// head, which a claim's rounds keep near the batch size in all.
+		// STRAIGHT_JOIN keeps the table after the offsets: MariaDB guesses
+		// 40 rows for a JSON_TABLE and, where the index's statistics say
+		// an aggregate has few undelivered rows, joins the table between
+		// the lists by the two-part key, which is the range join again.
+		runs: `SELECT STRAIGHT_JOIN u.i, x.id, x.aggregate_sequence, coalesce(x.due_at <= ?1, FALSE)
 FROM JSON_TABLE(?3, ` + mysqlEvents + `) u
+JOIN JSON_TABLE(CONCAT('[', REPEAT('0,', ?2 - 1), '0]'), '$[*]' COLUMNS (k FOR ORDINALITY)) o
 JOIN ` + r + ` x ON x.aggregate_type = u.typ AND x.undelivered_id = u.agg
-	AND x.aggregate_sequence >= u.seq AND x.aggregate_sequence < u.seq + ?2`,
+	AND x.aggregate_sequence = u.seq + CAST(o.k AS SIGNED) - 1
+WHERE o.k <= ?2`,
 
 		lock: `SELECT x.id FROM JSON_TABLE(?2, ` + mysqlIDs + `) j
 JOIN ` + r + ` x ON x.id = j.id
