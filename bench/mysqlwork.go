@@ -268,12 +268,12 @@ func (c *countedConn) statement(text string) {
 
 var spaces = regexp.MustCompile(`\s+`)
 
-// statementKind names a statement by the start of its text, without
-// quotes around names and with runs of white space made one space.
+// statementKind names a statement by the start and the end of its text,
+// without quotes around names and with runs of white space made one space.
 func statementKind(text string) string {
 	k := spaces.ReplaceAllString(strings.TrimSpace(strings.ReplaceAll(text, "`", "")), " ")
-	if len(k) > 64 {
-		k = k[:64]
+	if len(k) > 84 {
+		k = k[:50] + " ... " + k[len(k)-30:]
 	}
 	return k
 }
