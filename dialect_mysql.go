@@ -30,7 +30,8 @@ import (
 // so that an argument serves twice or out of order. The others run on the
 // pool as they are: they read their arguments first, in the order given,
 // into a derived table of one row, p, with their types, and refer to its
-// columns; only LIMIT takes a ? of its own, the last argument.
+// columns; only LIMIT and a settle's list of ids, the last argument,
+// take a ? of their own.
 //
 // Lists are JSON text, read with JSON_TABLE. A multi-table UPDATE joined
 // to JSON_TABLE finds its rows by primary key; MariaDB runs a
@@ -91,6 +92,10 @@ const (
 	mysqlTime   = `CAST(? AS DATETIME(6))`
 )
 
+// mysqlNoLimit is a LIMIT that keeps all the rows of a derived table and
+// keeps it from being merged into the query around it.
+const mysqlNoLimit = `18446744073709551615`
+
 // mysqlThen separates the statements of a statement list (mysqlTx).
 const mysqlThen = "\n;\n"
 
@@ -109,18 +114,26 @@ ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,
 
-		undelivered: `SELECT (
-	SELECT CASE
+		// One lookup per event through the aggregate index, a LEFT JOIN
+		// rather than a subquery run per row, into a derived table that
+		// LIMIT keeps from being merged: the sort into the list's order is
+		// then one of the narrow rows (i, state) it holds, not of
+		// JSON_TABLE's rows with their VARBINARY(1020) columns, which
+		// MariaDB sorts by position and reads back.
+		undelivered: `SELECT s.state FROM (
+	SELECT u.i, CASE
+		WHEN p.id IS NULL THEN NULL
 		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
 		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= ?1 AND p.next_attempt_at <= (
 			SELECT n.next_attempt_at FROM ` + r + ` n
 			WHERE n.aggregate_type = p.aggregate_type AND n.undelivered_id = p.aggregate_id
 				AND n.aggregate_sequence = p.aggregate_sequence + 1) THEN 'flight'
-		ELSE 'waits' END
-	FROM ` + r + ` p
-	WHERE p.aggregate_type = u.typ AND p.undelivered_id = u.agg AND p.aggregate_sequence = u.seq)
-FROM JSON_TABLE(?2, ` + mysqlEvents + `) u
-ORDER BY u.i`,
+		ELSE 'waits' END AS state
+	FROM JSON_TABLE(?2, ` + mysqlEvents + `) u
+	LEFT JOIN ` + r + ` p ON p.aggregate_type = u.typ AND p.undelivered_id = u.agg AND p.aggregate_sequence = u.seq
+	LIMIT ` + mysqlNoLimit + `
+) s
+ORDER BY s.i`,
 
 		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
 	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.due_at FROM ` + r + ` c
@@ -135,12 +148,24 @@ WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
 ORDER BY w.due_at, w.id
 LIMIT ?3`,
 
-		// MariaDB has no LATERAL: each head's run is the range join
-		// [seq, seq + span) through the aggregate index.
-		runs: `SELECT u.i, x.id, x.aggregate_sequence, coalesce(x.due_at <= ?1, FALSE)
+		// MariaDB has no LATERAL. A range join (sequence >= u.seq AND <
+		// u.seq + span) reads a head's aggregate through the index by
+		// (aggregate_type, undelivered_id) alone, every undelivered entry
+		// of it, the range only filtering them: a run cost its aggregate's
+		// backlog. Instead each head is joined to the offsets of its span
+		// (the ordinals of a JSON array of span elements), and each of its
+		// sequences is looked up by the whole index key: span lookups a
+		// head, which a claim's rounds keep near the batch size in all.
+		// STRAIGHT_JOIN keeps the table after the offsets: MariaDB guesses
+		// 40 rows for a JSON_TABLE and, where the index's statistics say
+		// an aggregate has few undelivered rows, joins the table between
+		// the lists by the two-part key, which is the range join again.
+		runs: `SELECT STRAIGHT_JOIN u.i, x.id, x.aggregate_sequence, coalesce(x.due_at <= ?1, FALSE)
 FROM JSON_TABLE(?3, ` + mysqlEvents + `) u
+JOIN JSON_TABLE(CONCAT('[', REPEAT('0,', ?2 - 1), '0]'), '$[*]' COLUMNS (k FOR ORDINALITY)) o
 JOIN ` + r + ` x ON x.aggregate_type = u.typ AND x.undelivered_id = u.agg
-	AND x.aggregate_sequence >= u.seq AND x.aggregate_sequence < u.seq + ?2`,
+	AND x.aggregate_sequence = u.seq + CAST(o.k AS SIGNED) - 1
+WHERE o.k <= ?2`,
 
 		lock: `SELECT x.id FROM JSON_TABLE(?2, ` + mysqlIDs + `) j
 JOIN ` + r + ` x ON x.id = j.id
@@ -173,18 +198,20 @@ JOIN ` + r + ` x ON x.id = j.id AND x.batch_id = ?1`,
 	FOR UPDATE SKIP LOCKED
 ) s` + mysqlThen + mysqlMoveBack(r, "0") + mysqlThen + mysqlMoved(r),
 
-		// On the pool: the arguments in p, in order.
+		// On the pool: the arguments in p, in order, but for the list of
+		// ids, the last, which JSON_TABLE reads from its own placeholder:
+		// read from a column of p, it made the settle slower.
 		settleDelivered: `UPDATE ` + r + ` x
-JOIN (SELECT ` + mysqlTime + ` AS at, ? AS batch, ? AS ids) p
-JOIN JSON_TABLE(p.ids, ` + mysqlIDs + `) j ON x.id = j.id
+JOIN (SELECT ` + mysqlTime + ` AS at, ? AS batch) p
+JOIN JSON_TABLE(?, ` + mysqlIDs + `) j ON x.id = j.id
 SET x.delivery_state = 'delivered', x.delivery_attempts = x.delivery_attempts + 1, x.next_attempt_at = p.at,
 	x.last_error = NULL, x.failure_kind = NULL, x.locked_until = NULL, x.delivered_at = p.at, x.updated_at = p.at
 WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
 
 		settleOther: `UPDATE ` + r + ` x
 JOIN (SELECT CAST(? AS CHAR(16)) AS state, CAST(? AS SIGNED) AS attempts, ` + mysqlTime + ` AS next_at,
-	CAST(? AS CHAR) AS last_error, CAST(? AS CHAR(16)) AS kind, ` + mysqlTime + ` AS at, ? AS batch, ? AS ids) p
-JOIN JSON_TABLE(p.ids, ` + mysqlIDs + `) j ON x.id = j.id
+	CAST(? AS CHAR) AS last_error, CAST(? AS CHAR(16)) AS kind, ` + mysqlTime + ` AS at, ? AS batch) p
+JOIN JSON_TABLE(?, ` + mysqlIDs + `) j ON x.id = j.id
 SET x.delivery_state = p.state, x.delivery_attempts = p.attempts, x.next_attempt_at = p.next_at,
 	x.last_error = coalesce(p.last_error, x.last_error), x.failure_kind = p.kind, x.locked_until = NULL,
 	x.updated_at = p.at

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,7 +31,8 @@ import (
 // back, COMMIT, settle; the outbox adds the order check's lookup when a
 // batch's first event of an aggregate follows one it did not see
 // delivered. Every drain gets a fresh database with a freshly loaded
-// backlog and ANALYZE TABLE before the clock starts.
+// backlog and ANALYZE TABLE before the clock starts, and the work its
+// connections ask of the server is counted (mysqlwork.go).
 
 const defaultMySQLDSN = "root@tcp(127.0.0.1:3306)/test?parseTime=true&loc=UTC"
 
@@ -46,7 +48,7 @@ func runMySQL(ctx context.Context, _ *env, c config, r *report) error {
 	if err != nil {
 		return fmt.Errorf("OUTBOX_MYSQL_DSN: %w", err)
 	}
-	var rows [][]string
+	var rows, work, detail, stmts [][]string
 	for _, batch := range c.batchSizes {
 		for _, n := range c.dispatchers {
 			cfg := fmt.Sprintf("%d dispatcher(s), batch %d", n, batch)
@@ -80,6 +82,9 @@ func runMySQL(ctx context.Context, _ *env, c config, r *report) error {
 				}
 				rows = append(rows, []string{spec.system, spec.config, fmt.Sprintf("%d", res.done),
 					res.elapsed.Round(time.Millisecond).String(), f1(res.rate()), strings.Join(each, " "), note})
+				work = append(work, workRow(spec.system, spec.config, results[i]))
+				detail = append(detail, mysqlDetailRow(spec.system, spec.config, results[i]))
+				stmts = append(stmts, statementRows(spec.system, spec.config, results[i])...)
 			}
 			name := "dispatch_mysql_ratio_outbox_over_raw_" + suffix
 			r.ratio(name, "dispatch_mysql_outbox_"+suffix, "dispatch_mysql_raw_"+suffix)
@@ -87,11 +92,33 @@ func runMySQL(ctx context.Context, _ *env, c config, r *report) error {
 	}
 	r.table(fmt.Sprintf("dispatch throughput on MySQL, backlog of %d events over %d aggregates, no-op publisher, median of %d drains", c.backlog, c.aggregates, c.repeat),
 		[]string{"system", "configuration", "events", "time", "events/s", "each drain", ""}, rows)
+	r.table(fmt.Sprintf("dispatch work asked of MySQL, median of %d drains (mysqlwork.go says how each is counted; the redo log is the whole server's)", c.repeat),
+		mysqlWorkHeader(), work)
+	r.table(fmt.Sprintf("dispatch work on MySQL in detail, from the sessions' status counters, median of %d drains", c.repeat),
+		mysqlDetailHeader(), detail)
+	r.table(fmt.Sprintf("statements on MySQL by kind (the start of their text), per batch over all %d drains", c.repeat),
+		[]string{"system", "configuration", "per batch", "ms/batch", "statement"}, stmts)
 	return nil
 }
 
+// mysqlWorkHeader is the work table's header, with MySQL's names for
+// the server's commits and its log.
+func mysqlWorkHeader() []string {
+	h := slices.Clone(workHeader)
+	for i, name := range h {
+		switch name {
+		case "tx/event (server)":
+			h[i] = "engine commits/event (server)"
+		case "WAL bytes/event (least)":
+			h[i] = "redo bytes/event (least)"
+		}
+	}
+	return h
+}
+
 // mysqlDrain loads a backlog into the outbox table of a fresh database
-// and drains it with fn, which gets the database's DSN.
+// and drains it with fn, which gets a DSN of the database whose
+// connections count their work (mysqlwork.go).
 func mysqlDrain(ctx context.Context, base *mysqldriver.Config, c config, fn func(dsn string) (drainResult, error)) (drainResult, error) {
 	admin, err := sql.Open("mysql", base.FormatDSN())
 	if err != nil {
@@ -124,7 +151,7 @@ func mysqlDrain(ctx context.Context, base *mysqldriver.Config, c config, fn func
 	if _, err := sqlDB.ExecContext(ctx, `ANALYZE TABLE outbox_records, outbox_records_sequences`); err != nil {
 		return drainResult{}, fmt.Errorf("analyze: %w", err)
 	}
-	res, err := fn(dsn)
+	res, err := measureMySQLWork(ctx, admin, conf, fn)
 	if err != nil {
 		return drainResult{}, err
 	}

@@ -94,6 +94,9 @@ type workSample struct {
 type serverWork struct {
 	workSample
 	events, batches int
+	// detail is what an engine counts beyond the columns of the work
+	// table, by name (mysqlwork.go); nil on PostgreSQL.
+	detail map[string]int64
 }
 
 func (s workSample) sub(o workSample) workSample {
@@ -160,48 +163,61 @@ func measureWork(ctx context.Context, s *schema, db *sql.DB, drain func() (drain
 // taken on its own, except WAL bytes, the least over the drains: other
 // sessions only ever add WAL, so the least is the least disturbed.
 func workRow(system, config string, rs []drainResult) []string {
+	ws := measured(rs)
+	if len(ws) == 0 {
+		return []string{system, config, "-", "-", "-", "-", "-", "-", "-", "-"}
+	}
+	return []string{system, config,
+		workStat(ws, func(w *serverWork) (float64, bool) { return float64(w.events), true }, func(v float64) string { return fmt.Sprintf("%.0f", v) }, false),
+		workStat(ws, perBatch(func(w *serverWork) int64 { return int64(w.events) }), f1, false),
+		workStat(ws, perBatch(func(w *serverWork) int64 { return w.statements }), f2, false),
+		workStat(ws, perBatch(func(w *serverWork) int64 { return w.roundTrips }), f2, false),
+		workStat(ws, perEvent(func(w *serverWork) int64 { return w.clientTx }), f4, false),
+		workStat(ws, perEvent(func(w *serverWork) int64 { return w.serverTx }), f4, false),
+		workStat(ws, perEvent(func(w *serverWork) int64 { return w.rows }), f2, false),
+		workStat(ws, perEvent(func(w *serverWork) int64 { return w.walBytes }), f1, true)}
+}
+
+// measured returns the work of the drains that measured it and moved
+// events.
+func measured(rs []drainResult) []*serverWork {
 	var ws []*serverWork
 	for _, r := range rs {
 		if r.work != nil && r.work.events > 0 {
 			ws = append(ws, r.work)
 		}
 	}
-	if len(ws) == 0 {
-		return []string{system, config, "-", "-", "-", "-", "-", "-", "-"}
-	}
-	col := func(per func(*serverWork) (float64, bool), format func(float64) string, least bool) string {
-		var vs []float64
-		for _, w := range ws {
-			if v, ok := per(w); ok {
-				vs = append(vs, v)
-			}
-		}
-		if len(vs) == 0 {
-			return "-"
-		}
-		slices.Sort(vs)
-		if least {
-			return format(vs[0])
-		}
-		return format(vs[(len(vs)-1)/2])
-	}
-	perBatch := func(n func(*serverWork) int64) func(*serverWork) (float64, bool) {
-		return func(w *serverWork) (float64, bool) {
-			return float64(n(w)) / float64(w.batches), w.batches > 0
+	return ws
+}
+
+// workStat is one column of a work table: per over the drains' work, the
+// median or, with least, the least of the drains that have it, formatted;
+// "-" if none has it.
+func workStat(ws []*serverWork, per func(*serverWork) (float64, bool), format func(float64) string, least bool) string {
+	var vs []float64
+	for _, w := range ws {
+		if v, ok := per(w); ok {
+			vs = append(vs, v)
 		}
 	}
-	perEvent := func(n func(*serverWork) int64) func(*serverWork) (float64, bool) {
-		return func(w *serverWork) (float64, bool) { return float64(n(w)) / float64(w.events), true }
+	if len(vs) == 0 {
+		return "-"
 	}
-	return []string{system, config,
-		col(func(w *serverWork) (float64, bool) { return float64(w.events), true }, func(v float64) string { return fmt.Sprintf("%.0f", v) }, false),
-		col(perBatch(func(w *serverWork) int64 { return int64(w.events) }), f1, false),
-		col(perBatch(func(w *serverWork) int64 { return w.statements }), f2, false),
-		col(perBatch(func(w *serverWork) int64 { return w.roundTrips }), f2, false),
-		col(perEvent(func(w *serverWork) int64 { return w.clientTx }), f4, false),
-		col(perEvent(func(w *serverWork) int64 { return w.serverTx }), f4, false),
-		col(perEvent(func(w *serverWork) int64 { return w.rows }), f2, false),
-		col(perEvent(func(w *serverWork) int64 { return w.walBytes }), f1, true)}
+	slices.Sort(vs)
+	if least {
+		return format(vs[0])
+	}
+	return format(vs[(len(vs)-1)/2])
+}
+
+// perBatch and perEvent divide a count of a drain's work by its batches
+// or its events.
+func perBatch(n func(*serverWork) int64) func(*serverWork) (float64, bool) {
+	return func(w *serverWork) (float64, bool) { return float64(n(w)) / float64(w.batches), w.batches > 0 }
+}
+
+func perEvent(n func(*serverWork) int64) func(*serverWork) (float64, bool) {
+	return func(w *serverWork) (float64, bool) { return float64(n(w)) / float64(w.events), true }
 }
 
 var workHeader = []string{"system", "configuration", "events", "events/batch", "stmts/batch", "round trips/batch", "tx/event (client)", "tx/event (server)", "rows written/event", "WAL bytes/event (least)"}
