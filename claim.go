@@ -106,7 +106,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
 	shard := -1 // every aggregate
-	if d.st.claimShard != "" || d.st.windowShard != "" {
+	if d.shardable() {
 		shard = int(d.shard.Load()) - 1
 	}
 	seen := 0
@@ -169,6 +169,12 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 // into, by a hash of aggregate type and id.
 const shards = 8
 
+// shardable reports whether d's claims may read by shard: the engine has
+// the statements, and the claims read a window.
+func (d *Dispatcher) shardable() bool {
+	return !d.runsOnly && (d.st.claimShard != "" || d.st.windowShard != "")
+}
+
 // nextShard sets what the next claim reads, after a claim of shard (-1:
 // every aggregate) that saw seen rows in its window and took took of
 // them. Dispatchers that claim from every aggregate hold each other back:
@@ -182,7 +188,7 @@ const shards = 8
 // a dispatcher goes through the shards in turn, no shard waits for the
 // others' backlogs to drain.
 func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
-	if d.st.claimShard == "" && d.st.windowShard == "" || d.runsOnly {
+	if !d.shardable() {
 		return
 	}
 	switch full := seen == d.batchSize; {
@@ -199,8 +205,9 @@ func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
 }
 
 // claimSteps leases, in q's transaction, what the window win allows
-// (pickOldest) and, when the window held rows back, or with runsOnly
-// (no window was read), runs up to the batch size, none of them in taken.
+// (pickOldest) and, when the window held rows back and topUp allows it
+// (claims by shard take no runs), or with runsOnly (no window was read),
+// runs up to the batch size, none of them in taken.
 // It reports whether the window held rows back behind a predecessor that
 // is not in flight.
 func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow, runsOnly, topUp bool, taken map[int64]bool) ([]claimed, bool, error) {
