@@ -13,9 +13,9 @@ import (
 	"github.com/google/uuid"
 )
 
-// A claim leases up to a batch of claimable rows, in one short transaction
-// (dialect.claimTx), so that no two claims take the same row and no claim
-// breaks an aggregate's order.
+// A claim leases up to a batch of claimable rows, in one short transaction,
+// so that no two claims take the same row and no claim breaks an
+// aggregate's order.
 //
 // Order. An event is handed to a publisher only after the one before it in
 // its aggregate was accepted, or after it in the same batch. A claim takes,
@@ -31,35 +31,31 @@ import (
 // claimed again meanwhile, are delivered again, and first deliveries stay
 // in order.
 //
-// The claim has two parts, both checked in the dispatcher against that
-// rule, whatever order the engine returns rows in:
+// Every claim has one shape, three steps in one transaction:
 //
-//  1. Oldest first: the batch size of oldest claimable rows (the window,
-//     locked as it is read), of which it keeps, per aggregate, the rows
-//     from its lowest sequence on without a gap, provided the event before
-//     that one is delivered (one lookup statement for all the aggregates).
-//     A backlog is thus taken in the order it was written, which keeps a
-//     batch on a few neighbouring pages.
-//  2. Runs, only when the window held rows back (other dispatchers hold
-//     their aggregates, or their predecessor waits for a retry) and the
-//     batch has room: heads, the oldest claimable rows whose predecessor
-//     is delivered, among the first scanWindow claimable rows; then each
-//     head's run, its aggregate's consecutive claimable sequences, until
-//     the batch is full; then a lock of those rows, and a run ends at the
-//     first row the lock skips (another claim holds it).
+//  1. the window: the batch size of oldest claimable rows, in due order,
+//     locked as they are read, skipping rows that another claim holds;
+//  2. the order check: per aggregate, the window's rows from its lowest
+//     sequence there on, without a gap, provided the event before that
+//     lowest one is delivered or gone (one lookup for all the aggregates);
+//  3. the lease of exactly those rows.
 //
-// Several dispatchers on one backlog would hold each other back at every
-// claim: each window would begin with the rows of aggregates that the
-// other dispatchers' batches hold, and runs would have to top up every
-// batch. A dispatcher whose full window was held back that way claims by
-// shard instead (nextShard): part 1 alone, its window limited to the
-// aggregates of one of 8 shards, by a hash of aggregate type and id, and
-// so mostly to aggregates no other dispatcher holds. The order rule is the
-// same; a shard only narrows the window.
+// On PostgreSQL the three are one statement (statements.claim), whose
+// check is SQL: a row is kept when its offset from its aggregate's lowest
+// sequence in the window equals its rank there. Elsewhere they are three
+// statements in claimTx, and pickOldest checks the window in Go.
 //
-// The lease then writes exactly the rows it takes. Rows behind an event
-// that waits for a retry or was dead-lettered are moved out of the due
-// range by parkBlocked, so that they do not fill every claim's window.
+// Rows the check holds back stay where they are. Behind an event that
+// waits for a retry or was dead-lettered, parkBlocked moves them out of
+// the due range, so that they do not fill every window. Behind another
+// dispatcher's batch in flight, they wait for its settle, within the
+// publish timeout. Several dispatchers on one backlog would hold each
+// other back at every claim: each window would begin with the rows of
+// aggregates that the others' batches hold. A dispatcher whose full window
+// was held back that way claims by shard instead (nextShard): its window
+// limited to the aggregates of one of 8 shards, by a hash of aggregate
+// type and id, and so mostly to aggregates no other dispatcher holds. The
+// order rule is the same; a shard only narrows the window.
 
 // claimed is one claimed row: its message and what settling it needs.
 type claimed struct {
@@ -85,23 +81,16 @@ type claimResult struct {
 	blocked bool
 }
 
-// windowRow is a row of a claim's window, or a head.
+// windowRow is a row of a claim's window.
 type windowRow struct {
 	id  int64
 	agg aggregateKey
 	seq int64
 }
 
-// scanWindow is how many claimable rows a claim of n looks at for heads,
-// and parkBlocked for rows to park: enough to pass by the runs several
-// other dispatchers hold, and a bound on what a claim steps over.
-func scanWindow(n int) int { return max(4*n, 1000) }
-
-// claim leases up to the batch size of rows under a fresh batch id. Where
-// the engine says the oldest-first part in one statement (PostgreSQL), it
-// runs that, and tops the batch up by runs in a transaction of its own
-// only when the window held rows back; elsewhere both parts run in one
-// transaction. A claim by shard takes no runs.
+// claim leases up to the batch size of rows under a fresh batch id, in
+// one statement where the engine has it (PostgreSQL), and otherwise as
+// window, order check and lease in one claimTx.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
@@ -111,48 +100,20 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	}
 	seen := 0
 	var err error
-	if d.st.claim != "" && !d.runsOnly {
+	if d.st.claim != "" {
 		seen, r.rows, r.blocked, err = d.claimOldest(ctx, now, r.batchID, shard)
-		if err == nil && shard < 0 && len(r.rows) < seen && len(r.rows) < d.batchSize {
-			taken := make(map[int64]bool, len(r.rows))
-			for _, row := range r.rows {
-				taken[row.id] = true
-			}
-			var runs []claimed
-			terr := d.d.claimTx(ctx, d.db, func(q querier) error {
-				var err error
-				runs, _, err = d.claimSteps(ctx, q, now, r.batchID, nil, true, true, taken)
-				return err
-			})
-			switch {
-			case terr != nil && len(r.rows) == 0:
-				err = terr
-			case terr != nil:
-				// The window's rows are leased already: dispatch them
-				// rather than leave them until their lease passes.
-				d.log.Warn("outbox: could not top up a batch by runs; dispatching what the claim took",
-					"batch_id", r.batchID, "messages", len(r.rows), "error", terr)
-			default:
-				r.rows = append(r.rows, runs...)
-			}
-		}
 	} else {
 		err = d.d.claimTx(ctx, d.db, func(q querier) error {
-			var win []windowRow
-			if !d.runsOnly {
-				var err error
-				if shard < 0 {
-					win, err = queryRows(ctx, q, d.st.window, d.d.timeArg(now), d.batchSize)
-				} else {
-					win, err = queryRows(ctx, q, d.st.windowShard, d.d.timeArg(now), d.batchSize, shard)
-				}
-				if err != nil {
-					return fmt.Errorf("window: %w", err)
-				}
+			query, args := d.st.window, []any{d.d.timeArg(now), d.batchSize}
+			if shard >= 0 {
+				query, args = d.st.windowShard, append(args, shard)
+			}
+			win, err := queryRows(ctx, q, query, args...)
+			if err != nil {
+				return fmt.Errorf("window: %w", err)
 			}
 			seen = len(win)
-			var err error
-			r.rows, r.blocked, err = d.claimSteps(ctx, q, now, r.batchID, win, d.runsOnly, shard < 0, nil)
+			r.rows, r.blocked, err = d.leaseOldest(ctx, q, now, r.batchID, win)
 			return err
 		})
 	}
@@ -170,9 +131,9 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 const shards = 8
 
 // shardable reports whether d's claims may read by shard: the engine has
-// the statements, and the claims read a window.
+// the statements (SQLite's claims never overlap, and never need them).
 func (d *Dispatcher) shardable() bool {
-	return !d.runsOnly && (d.st.claimShard != "" || d.st.windowShard != "")
+	return d.st.claimShard != "" || d.st.windowShard != ""
 }
 
 // nextShard sets what the next claim reads, after a claim of shard (-1:
@@ -204,33 +165,14 @@ func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
 	}
 }
 
-// claimSteps leases, in q's transaction, what the window win allows
-// (pickOldest) and, when the window held rows back and topUp allows it
-// (claims by shard take no runs), or with runsOnly (no window was read),
-// runs up to the batch size, none of them in taken.
-// It reports whether the window held rows back behind a predecessor that
-// is not in flight.
-func (d *Dispatcher) claimSteps(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow, runsOnly, topUp bool, taken map[int64]bool) ([]claimed, bool, error) {
+// leaseOldest leases, in q's transaction, the rows of the window win that
+// keep each aggregate's order (pickOldest), and reports whether it held
+// rows back behind a predecessor that is not in flight.
+func (d *Dispatcher) leaseOldest(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow) ([]claimed, bool, error) {
 	ts := d.d.timeArg(now)
 	ids, blocked, err := d.pickOldest(ctx, q, ts, win)
-	if err != nil {
-		return nil, false, err
-	}
-	if room := d.batchSize - len(ids) - len(taken); (runsOnly || topUp && len(ids) < len(win)) && room > 0 {
-		if taken == nil {
-			taken = make(map[int64]bool, len(ids))
-		}
-		for _, id := range ids {
-			taken[id] = true
-		}
-		runs, err := d.pickRuns(ctx, q, ts, taken, room)
-		if err != nil {
-			return nil, false, err
-		}
-		ids = append(ids, runs...)
-	}
-	if len(ids) == 0 {
-		return nil, blocked, nil
+	if err != nil || len(ids) == 0 {
+		return nil, blocked, err
 	}
 	res, err := q.QueryContext(ctx, d.st.lease, batchID, d.d.timeArg(now.Add(d.lease)), ts, d.d.idList(ids))
 	if err != nil {
@@ -363,141 +305,6 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []w
 		}
 	}
 	return ids, blocked, nil
-}
-
-// pickRuns returns the ids of up to room rows taken as runs, heads in
-// order, each followed by its run, none of them in taken (the rows the
-// window gave the claim), all of them locked for the claim. Runs are read in rounds, each asking for a
-// span of sequences per head that shares the room between the heads
-// left, so that what a round reads is bounded by the statement itself;
-// the heads whose span was claimable to its end go on in the next round.
-func (d *Dispatcher) pickRuns(ctx context.Context, q querier, now any, taken map[int64]bool, room int) ([]int64, error) {
-	found, err := queryRows(ctx, q, d.st.heads, now, scanWindow(room), room)
-	if err != nil {
-		return nil, fmt.Errorf("heads: %w", err)
-	}
-	heads := make([]aggregateSeq, 0, len(found))
-	for _, h := range found {
-		if !taken[h.id] {
-			heads = append(heads, aggregateSeq{h.agg, h.seq})
-		}
-	}
-	// picked[i] is the run of heads[i]; live maps each head still read to
-	// its index.
-	picked := make([][]int64, len(heads))
-	live := make([]int, len(heads))
-	for i := range live {
-		live[i] = i
-	}
-	n := 0
-	for round := 0; n < room && len(live) > 0 && round < maxRunRounds; round++ {
-		span := (room - n + len(live) - 1) / len(live)
-		from := make([]aggregateSeq, len(live))
-		for j, i := range live {
-			from[j] = aggregateSeq{heads[i].agg, heads[i].seq + int64(len(picked[i]))}
-		}
-		runs, err := d.readRuns(ctx, q, now, span, from)
-		if err != nil {
-			return nil, err
-		}
-		var next []int
-		for j, i := range live {
-			seq := from[j].seq
-			for _, row := range runs[j] {
-				if n == room || row.seq != seq || !row.claimable {
-					break
-				}
-				picked[i] = append(picked[i], row.id)
-				seq++
-				n++
-			}
-			if seq == from[j].seq+int64(span) {
-				next = append(next, i)
-			}
-		}
-		live = next
-	}
-	if n > 0 && d.st.lock != "" {
-		all := make([]int64, 0, n)
-		for _, p := range picked {
-			all = append(all, p...)
-		}
-		locked, err := queryIDs(ctx, q, d.st.lock, now, d.d.idList(all))
-		if err != nil {
-			return nil, fmt.Errorf("lock runs: %w", err)
-		}
-		for i, p := range picked {
-			for j, id := range p {
-				if !locked[id] {
-					picked[i] = p[:j] // a run never jumps over a row
-					break
-				}
-			}
-		}
-	}
-	var ids []int64
-	for _, p := range picked {
-		ids = append(ids, p...)
-	}
-	return ids, nil
-}
-
-// maxRunRounds bounds the rounds of one claim's runs: a claim that has
-// room left after them takes the rest of the runs next time.
-const maxRunRounds = 4
-
-// runRow is a row of a run, by sequence.
-type runRow struct {
-	id, seq   int64
-	claimable bool
-}
-
-// readRuns returns, for each head, the undelivered rows of its aggregate
-// from its sequence on, span sequences at most, in sequence order.
-func (d *Dispatcher) readRuns(ctx context.Context, q querier, now any, span int, heads []aggregateSeq) ([][]runRow, error) {
-	res, err := q.QueryContext(ctx, d.st.runs, append([]any{now, span}, d.d.eventList(heads)...)...)
-	if err != nil {
-		return nil, fmt.Errorf("runs: %w", err)
-	}
-	defer res.Close()
-	runs := make([][]runRow, len(heads))
-	for res.Next() {
-		var (
-			i   int
-			row runRow
-		)
-		if err := res.Scan(&i, &row.id, &row.seq, &row.claimable); err != nil {
-			return nil, fmt.Errorf("runs: %w", err)
-		}
-		if i >= 1 && i <= len(heads) {
-			runs[i-1] = append(runs[i-1], row)
-		}
-	}
-	if err := res.Err(); err != nil {
-		return nil, fmt.Errorf("runs: %w", err)
-	}
-	for _, run := range runs {
-		sort.Slice(run, func(a, b int) bool { return run[a].seq < run[b].seq })
-	}
-	return runs, nil
-}
-
-// queryIDs reads a one-column result of ids.
-func queryIDs(ctx context.Context, q querier, query string, args ...any) (map[int64]bool, error) {
-	res, err := q.QueryContext(ctx, query, args...)
-	if err != nil {
-		return nil, err
-	}
-	defer res.Close()
-	out := map[int64]bool{}
-	for res.Next() {
-		var id int64
-		if err := res.Scan(&id); err != nil {
-			return nil, err
-		}
-		out[id] = true
-	}
-	return out, res.Err()
 }
 
 // queryStates reads a one-column text result, NULL allowed, that must

@@ -104,8 +104,8 @@ type dialect interface {
 // statements are the complete statements of the delivery path and the
 // migrator on one engine and table. Each field says its arguments, in
 // order, and its result columns; "now" is a timeArg, lists are the
-// dialect's idList, textList and eventList. window, undelivered, heads,
-// runs, lock, lease, revive and requeue run on claimTx's querier, where
+// dialect's idList, textList and eventList. window, undelivered, lease,
+// revive and requeue run on claimTx's querier, where
 // an argument may serve twice (numbered placeholders; on MySQL lease,
 // revive and requeue are lists of statements that only it runs); the
 // others run on the pool. A statement that returns the rows it changes
@@ -118,13 +118,15 @@ type dialect interface {
 // lease is locked_until, and a row whose locked_until lies in the future
 // is never claimed, whatever next_attempt_at says.
 type statements struct {
-	// claim (batch id, lease end, now, limit): the oldest-first claim
-	// (window, order check and lease) in one statement, where the engine
-	// can say it in one. Result: the window's size, whether it held rows
-	// back behind a predecessor that is not in flight, then the lease's
-	// columns (NULL when it leased nothing); at least one row. Empty
-	// elsewhere: the claim then runs window, undelivered and lease in
-	// claimTx.
+	// A claim is window, order check and lease (claim.go). An engine
+	// has either claim and claimShard, which say all three in one
+	// statement, or window, windowShard, undelivered and lease, which
+	// the dispatcher runs in claimTx, checking the order in Go.
+
+	// claim (batch id, lease end, now, limit): window, order check and
+	// lease in one statement. Result: the window's size, whether it held
+	// rows back behind a predecessor that is not in flight, then the
+	// lease's columns (NULL when it leased nothing); at least one row.
 	claim string
 	// claimShard (batch id, lease end, now, limit, shard): claim, with
 	// its window limited to the aggregates of one shard (0 to shards-1,
@@ -136,8 +138,8 @@ type statements struct {
 	// Result: id, aggregate_type, aggregate_id, aggregate_sequence.
 	window string
 	// windowShard (now, limit, shard): window, limited to the aggregates
-	// of one shard, as in claimShard; for engines without claim. Empty
-	// where claims never read by shard (SQLite: its claims never overlap).
+	// of one shard, as in claimShard. Empty where claims never read by
+	// shard (SQLite: its claims never overlap).
 	windowShard string
 	// undelivered (now, eventList): for each event, in the list's order,
 	// NULL when its row is delivered or gone; 'flight' when it is leased
@@ -146,20 +148,6 @@ type statements struct {
 	// holds it); 'waits' otherwise: for a retry, a requeue, an expired
 	// lease, or a claim that reaches it. Result: one text a row.
 	undelivered string
-	// heads (now, scan, limit): among the scan oldest
-	// claimable rows, those whose predecessor in their aggregate is
-	// delivered or gone (cleanup deletes only delivered rows), oldest
-	// first. Result: id, aggregate_type, aggregate_id, aggregate_sequence.
-	heads string
-	// runs (now, span, eventList): the undelivered rows of each listed
-	// aggregate whose sequence lies in [seq, seq+span), with whether each
-	// is claimable. Result: list position (from 1), id,
-	// aggregate_sequence, claimable.
-	runs string
-	// lock (now, ids): locks the listed rows that are still
-	// claimable, skipping rows another claim holds. Result: id. Empty
-	// where claimTx holds the whole database.
-	lock string
 	// lease (batch id, lease end, now, ids): leases the listed rows.
 	// Result: id, event_id, event_type, aggregate_type, aggregate_id,
 	// aggregate_sequence, idempotency_key, payload, headers, occurred_at
@@ -172,10 +160,13 @@ type statements struct {
 	// or NULL, now, batch id, ids) does the same for any other outcome.
 	settleDelivered, settleOther string
 
-	// blockers (now, scan, lease end): the heads of the aggregates
-	// seen among the scan oldest due rows that hold due rows of theirs
-	// back (parkBlocked). Result: aggregate_type, aggregate_id,
-	// aggregate_sequence, delivery_state, until.
+	// blockers (now, scan, lease end): for each aggregate seen among the
+	// scan oldest due rows, its head (first undelivered event) when it
+	// holds those rows back where no claim reaches it: failed (until:
+	// the lease end), or pending, retry, or delivering past its lease,
+	// and due after a seen row of its aggregate (until: its due time).
+	// Result: aggregate_type, aggregate_id, aggregate_sequence,
+	// delivery_state, until.
 	blockers string
 	// park (until, now, type, id, seq, state): moves
 	// the due rows behind a blocker to until, if it is still in state.

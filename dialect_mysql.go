@@ -135,43 +135,6 @@ FOR UPDATE SKIP LOCKED`,
 ) s
 ORDER BY s.i`,
 
-		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
-	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.due_at FROM ` + r + ` c
-	WHERE c.due_at <= ?1
-	ORDER BY c.due_at, c.id
-	LIMIT ?2
-) w
-WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
-	SELECT 1 FROM ` + r + ` x
-	WHERE x.aggregate_type = w.aggregate_type AND x.undelivered_id = w.aggregate_id
-		AND x.aggregate_sequence = w.aggregate_sequence - 1)
-ORDER BY w.due_at, w.id
-LIMIT ?3`,
-
-		// MariaDB has no LATERAL. A range join (sequence >= u.seq AND <
-		// u.seq + span) reads a head's aggregate through the index by
-		// (aggregate_type, undelivered_id) alone, every undelivered entry
-		// of it, the range only filtering them: a run cost its aggregate's
-		// backlog. Instead each head is joined to the offsets of its span
-		// (the ordinals of a JSON array of span elements), and each of its
-		// sequences is looked up by the whole index key: span lookups a
-		// head, which a claim's rounds keep near the batch size in all.
-		// STRAIGHT_JOIN keeps the table after the offsets: MariaDB guesses
-		// 40 rows for a JSON_TABLE and, where the index's statistics say
-		// an aggregate has few undelivered rows, joins the table between
-		// the lists by the two-part key, which is the range join again.
-		runs: `SELECT STRAIGHT_JOIN u.i, x.id, x.aggregate_sequence, coalesce(x.due_at <= ?1, FALSE)
-FROM JSON_TABLE(?3, ` + mysqlEvents + `) u
-JOIN JSON_TABLE(CONCAT('[', REPEAT('0,', ?2 - 1), '0]'), '$[*]' COLUMNS (k FOR ORDINALITY)) o
-JOIN ` + r + ` x ON x.aggregate_type = u.typ AND x.undelivered_id = u.agg
-	AND x.aggregate_sequence = u.seq + CAST(o.k AS SIGNED) - 1
-WHERE o.k <= ?2`,
-
-		lock: `SELECT x.id FROM JSON_TABLE(?2, ` + mysqlIDs + `) j
-JOIN ` + r + ` x ON x.id = j.id
-WHERE x.due_at <= ?1
-FOR UPDATE SKIP LOCKED`,
-
 		lease: `UPDATE ` + r + ` x JOIN JSON_TABLE(?4, ` + mysqlIDs + `) j ON x.id = j.id
 SET x.delivery_state = 'delivering', x.batch_id = ?1, x.locked_until = ?2, x.next_attempt_at = ?2, x.updated_at = ?3` + mysqlThen +
 			`SELECT x.id, x.event_id, x.event_type, x.aggregate_type, x.aggregate_id, x.aggregate_sequence,
@@ -225,17 +188,17 @@ WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
 FROM (
 	SELECT m.bt, m.ba, m.hs, h.next_attempt_at AS next_at, CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
-			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > m.at OR m.hs < m.ws) THEN h.delivery_state
-			WHEN h.delivery_state = 'delivering' AND h.locked_until <= m.at AND m.hs < m.ws THEN 'delivering'
+			WHEN h.delivery_state IN ('pending', 'retry') AND h.due_at > m.fn THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= m.at AND h.due_at > m.fn THEN 'delivering'
 		END AS state
 	FROM (
-		SELECT s.bt, s.ba, s.ws, s.at, (SELECT x.aggregate_sequence FROM ` + r + ` x
+		SELECT s.bt, s.ba, s.fn, s.at, (SELECT x.aggregate_sequence FROM ` + r + ` x
 			WHERE x.aggregate_type = s.bt AND x.undelivered_id = s.ba
 			ORDER BY x.aggregate_sequence LIMIT 1) AS hs
 		FROM (
-			SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws, min(c.at) AS at
+			SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.due_at) AS fn, min(c.at) AS at
 			FROM (
-				SELECT y.aggregate_type, y.aggregate_id, y.aggregate_sequence, p.at
+				SELECT y.aggregate_type, y.aggregate_id, y.aggregate_sequence, y.due_at, p.at
 				FROM (SELECT ` + mysqlTime + ` AS at) p
 				JOIN ` + r + ` y ON y.due_at <= p.at
 				ORDER BY y.due_at, y.id

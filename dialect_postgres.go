@@ -63,13 +63,6 @@ func (postgresDialect) eventList(events []aggregateSeq) []any {
 func (postgresDialect) statements(t tables) statements {
 	r := t.records
 	return statements{
-		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
-WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
-	AND (locked_until IS NULL OR locked_until <= $1)
-ORDER BY next_attempt_at, id
-LIMIT $2
-FOR UPDATE SKIP LOCKED`,
-
 		// claim is the oldest-first claim in one statement, so in one
 		// implicit transaction and one round trip: the window (w), locked
 		// as it is read; per aggregate its lowest sequence there and the
@@ -88,53 +81,6 @@ FOR UPDATE SKIP LOCKED`,
 		claimShard: pgClaim(r, `
 		AND (hashtext(aggregate_type || '/' || aggregate_id) & 7) = $5`),
 
-		undelivered: `SELECT (
-	SELECT CASE
-		WHEN p.delivery_state = 'delivering' AND p.locked_until > $1 THEN 'flight'
-		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= $1 AND p.next_attempt_at <= (
-			SELECT n.next_attempt_at FROM ` + r + ` n
-			WHERE n.aggregate_type = p.aggregate_type AND n.aggregate_id = p.aggregate_id
-				AND n.aggregate_sequence = p.aggregate_sequence + 1 AND n.delivery_state <> 'delivered') THEN 'flight'
-		ELSE 'waits' END
-	FROM ` + r + ` p
-	WHERE p.aggregate_type = u.typ AND p.aggregate_id = u.agg AND p.aggregate_sequence = u.seq
-		AND p.delivery_state <> 'delivered')
-FROM unnest($2::text[], $3::text[], $4::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
-ORDER BY u.i`,
-
-		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
-	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.next_attempt_at FROM ` + r + ` c
-	WHERE c.delivery_state IN ('pending', 'retry', 'delivering') AND c.next_attempt_at <= $1
-		AND (c.locked_until IS NULL OR c.locked_until <= $1)
-	ORDER BY c.next_attempt_at, c.id
-	LIMIT $2
-) w
-WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
-	SELECT 1 FROM ` + r + ` p
-	WHERE p.aggregate_type = w.aggregate_type AND p.aggregate_id = w.aggregate_id
-		AND p.aggregate_sequence = w.aggregate_sequence - 1 AND p.delivery_state <> 'delivered')
-ORDER BY w.next_attempt_at, w.id
-LIMIT $3`,
-
-		runs: `SELECT u.i, x.id, x.aggregate_sequence,
-	x.delivery_state IN ('pending', 'retry', 'delivering') AND x.next_attempt_at <= $1
-		AND (x.locked_until IS NULL OR x.locked_until <= $1)
-FROM unnest($3::text[], $4::text[], $5::bigint[]) WITH ORDINALITY AS u(typ, agg, seq, i)
-JOIN ` + r + ` x ON x.aggregate_type = u.typ AND x.aggregate_id = u.agg
-	AND x.aggregate_sequence >= u.seq AND x.aggregate_sequence < u.seq + $2
-	AND x.delivery_state <> 'delivered'`,
-
-		lock: `SELECT id FROM ` + r + `
-WHERE id = ANY($2) AND delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
-	AND (locked_until IS NULL OR locked_until <= $1)
-FOR UPDATE SKIP LOCKED`,
-
-		lease: `UPDATE ` + r + ` SET
-	delivery_state = 'delivering', batch_id = $1, locked_until = $2, next_attempt_at = $2, updated_at = $3
-WHERE id = ANY($4) AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
-RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, occurred_at, delivery_attempts`,
-
 		settleDelivered: `UPDATE ` + r + ` SET
 	delivery_state = 'delivered', delivery_attempts = delivery_attempts + 1, next_attempt_at = $1,
 	last_error = NULL, failure_kind = NULL, locked_until = NULL, delivered_at = $1, updated_at = $1
@@ -152,8 +98,8 @@ WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
 		// query from the heads' condition, misjudged by statistics taken
 		// while the backlog was due, and scan every row that is not due.
 		blockers: `WITH seen AS MATERIALIZED (
-	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
-		SELECT aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.next_attempt_at) AS fn FROM (
+		SELECT aggregate_type, aggregate_id, aggregate_sequence, next_attempt_at FROM ` + r + `
 		WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
 		ORDER BY next_attempt_at, id
 		LIMIT $2
@@ -161,14 +107,14 @@ WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
 	GROUP BY c.aggregate_type, c.aggregate_id
 	HAVING max(c.aggregate_sequence) > 1
 ), heads AS MATERIALIZED (
-	SELECT bt, ba, ws, (SELECT min(m.aggregate_sequence) FROM ` + r + ` m
+	SELECT bt, ba, fn, (SELECT min(m.aggregate_sequence) FROM ` + r + ` m
 		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
 	FROM seen
 ), waits AS MATERIALIZED (
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
-			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > $1 OR hs < ws) THEN h.delivery_state
-			WHEN h.delivery_state = 'delivering' AND h.locked_until <= $1 AND hs < ws THEN 'delivering'
+			WHEN h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > fn THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= $1 AND h.next_attempt_at > fn THEN 'delivering'
 		END FROM ` + r + ` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS state

@@ -86,28 +86,6 @@ LIMIT ?2`,
 FROM json_each(?2) AS u
 ORDER BY u.key`,
 
-		heads: `SELECT w.id, w.aggregate_type, w.aggregate_id, w.aggregate_sequence FROM (
-	SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_sequence, c.next_attempt_at FROM ` + r + ` c
-	WHERE c.delivery_state IN ('pending', 'retry', 'delivering') AND c.next_attempt_at <= ?1
-		AND (c.locked_until IS NULL OR c.locked_until <= ?1)
-	ORDER BY c.next_attempt_at, c.id
-	LIMIT ?2
-) w
-WHERE w.aggregate_sequence = 1 OR NOT EXISTS (
-	SELECT 1 FROM ` + r + ` p
-	WHERE p.aggregate_type = w.aggregate_type AND p.aggregate_id = w.aggregate_id
-		AND p.aggregate_sequence = w.aggregate_sequence - 1 AND p.delivery_state <> 'delivered')
-ORDER BY w.next_attempt_at, w.id
-LIMIT ?3`,
-
-		runs: `SELECT u.key + 1, x.id, x.aggregate_sequence,
-	x.delivery_state IN ('pending', 'retry', 'delivering') AND x.next_attempt_at <= ?1
-		AND (x.locked_until IS NULL OR x.locked_until <= ?1)
-FROM json_each(?3) AS u
-JOIN ` + r + ` x ON x.aggregate_type = json_extract(u.value, '$[0]') AND x.aggregate_id = json_extract(u.value, '$[1]')
-	AND x.aggregate_sequence >= json_extract(u.value, '$[2]') AND x.aggregate_sequence < json_extract(u.value, '$[2]') + ?2
-	AND x.delivery_state <> 'delivered'`,
-
 		lease: `UPDATE ` + r + ` SET
 	delivery_state = 'delivering', batch_id = ?1, locked_until = ?2, next_attempt_at = ?2, updated_at = ?3
 WHERE id IN (SELECT value FROM json_each(?4))
@@ -125,8 +103,8 @@ WHERE id IN (SELECT value FROM json_each(?3)) AND batch_id = ?2 AND delivery_sta
 WHERE id IN (SELECT value FROM json_each(?8)) AND batch_id = ?7 AND delivery_state = 'delivering'`,
 
 		blockers: `WITH seen AS MATERIALIZED (
-	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.aggregate_sequence) AS ws FROM (
-		SELECT aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.next_attempt_at) AS fn FROM (
+		SELECT aggregate_type, aggregate_id, aggregate_sequence, next_attempt_at FROM ` + r + `
 		WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
 		ORDER BY next_attempt_at, id
 		LIMIT ?2
@@ -134,14 +112,14 @@ WHERE id IN (SELECT value FROM json_each(?8)) AND batch_id = ?7 AND delivery_sta
 	GROUP BY c.aggregate_type, c.aggregate_id
 	HAVING max(c.aggregate_sequence) > 1
 ), heads AS MATERIALIZED (
-	SELECT bt, ba, ws, (SELECT min(m.aggregate_sequence) FROM ` + r + ` m
+	SELECT bt, ba, fn, (SELECT min(m.aggregate_sequence) FROM ` + r + ` m
 		WHERE m.aggregate_type = bt AND m.aggregate_id = ba AND m.delivery_state <> 'delivered') AS hs
 	FROM seen
 ), waits AS MATERIALIZED (
 	SELECT bt, ba, hs, (SELECT CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
-			WHEN h.delivery_state IN ('pending', 'retry') AND (h.next_attempt_at > ?1 OR hs < ws) THEN h.delivery_state
-			WHEN h.delivery_state = 'delivering' AND h.locked_until <= ?1 AND hs < ws THEN 'delivering'
+			WHEN h.delivery_state IN ('pending', 'retry') AND h.next_attempt_at > fn THEN h.delivery_state
+			WHEN h.delivery_state = 'delivering' AND h.locked_until <= ?1 AND h.next_attempt_at > fn THEN 'delivering'
 		END FROM ` + r + ` h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs
 			AND h.delivery_state <> 'delivered') AS state

@@ -57,12 +57,10 @@ const (
 // because a publish outlived its lease holds back nothing that was
 // accepted after its first delivery.)
 //
-// A claim takes the oldest due messages that keep each aggregate's order,
-// so that a batch is what was written together; when some of the oldest
-// are held back (another dispatcher holds their aggregates, or an earlier
-// message waits for a retry), it tops the batch up with runs: from the
-// aggregates whose next undelivered message has waited longest, each one's
-// consecutive due messages in sequence order (see claim.go).
+// A claim takes, of the batch size of oldest due messages, those that
+// keep each aggregate's order, so that a batch is what was written
+// together (see claim.go). A dispatcher whose claims other dispatchers'
+// batches hold back claims from shards of the aggregates instead.
 //
 // On PostgreSQL, a claim's lease and a settle commit with
 // synchronous_commit off, in their own transactions only: they do not wait
@@ -105,7 +103,6 @@ type Dispatcher struct {
 	wake      chan struct{}
 	inProcess atomic.Bool  // Run is woken by in-process writes
 	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
-	runsOnly  bool         // claims skip the window: set by tests that specify run claims
 	shard     atomic.Int32 // 0: claims read every aggregate; s > 0: shard s-1 only (claimShard)
 }
 

@@ -58,14 +58,13 @@
 // error, an event type without a handler and a row that cannot be read
 // stay failed until a person moves them with [Dispatcher.Requeue].
 //
-// A claim is one short transaction that takes the oldest due events that
-// keep each aggregate's order: those whose predecessor was delivered, or
-// is in the same batch just before them. When it has to hold some of the
-// oldest back (another dispatcher holds their aggregates, or an earlier
-// event waits for a retry), it tops the batch up with runs: from the
-// aggregates whose next undelivered event has waited longest, each one's
-// consecutive due events in sequence order. The lease is locked_until: a
-// row whose lease lies ahead is never claimed.
+// A claim is one short transaction that takes, of the batch size of oldest
+// due events, those that keep each aggregate's order: those whose
+// predecessor was delivered, or is in the same batch just before them.
+// Events held back behind one that waits for a retry or was dead-lettered
+// are parked behind it, out of the next claims' way; dispatchers that hold
+// each other back claim from shards of the aggregates. The lease is
+// locked_until: a row whose lease lies ahead is never claimed.
 //
 // [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
 // dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3

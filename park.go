@@ -6,28 +6,32 @@ import (
 	"time"
 )
 
-// parkBlocked moves the due rows behind an aggregate's head (its first
-// undelivered event) that waits for a retry or was dead-lettered to when
-// that head can move: the retry's time, or one lease from now for a dead
-// letter (it comes back through RetryFailed or Requeue, which make the
-// rows behind it due again; the lease bounds the wait if it comes back
-// some other way). Rows behind a head in flight are left alone: it
-// settles within the publish timeout, or its lease passes. Rows that came due before their
-// head in due order (written while it waited) are moved to the head's
-// time, behind it: a window full of them would hold no row a claim can
-// take. After a settle that came after its lease (see claim.go), an
-// aggregate's first undelivered event may sit before delivered ones;
-// parking takes it for the head all the same, so the events after the
-// delivered ones may wait as long as it does (a lease at most behind a
-// dead letter) when parking reaches them before a claim does.
+// parkBlocked keeps the rows that a claim must hold back out of the
+// windows of the claims after it. Rows of an aggregate wait for its head
+// (its first undelivered event); when the head waits for a retry, was
+// dead-lettered, or comes after them in due order (it was retried, its
+// lease passed, or they were written while it waited), they would fill
+// every window and no claim would reach the head or the rows behind it.
+// parkBlocked moves them to when the head can move: the head's own due
+// time, which puts them behind it, or one lease from now for a dead letter
+// (it comes back through RetryFailed or Requeue, which make the rows
+// behind it due again; the lease bounds the wait if it comes back some
+// other way). Rows behind a head in flight are left alone: it settles
+// within the publish timeout, or its lease passes. After a settle that
+// came after its lease (see claim.go), an aggregate's first undelivered
+// event may sit before delivered ones; parking takes it for the head all
+// the same, so the events after the delivered ones may wait as long as it
+// does (a lease at most behind a dead letter) when parking reaches them
+// before a claim does.
 //
 // It looks at the scanWindow oldest due rows, runs at most once per poll
 // interval per dispatcher, and only after a claim that was not full and
 // held rows back behind an event that is not in flight (claimResult's
 // blocked): rows behind another dispatcher's batch need no parking, and
 // with several dispatchers on one backlog a look that finds nothing cost
-// more than a second of the server's time in the benchmark. It is an optimisation, so it never fails a dispatch:
-// an error is logged. It reports whether it moved any row.
+// more than a second of the server's time in the benchmark. An error is
+// logged, not returned: the next claim that is held back tries again. It
+// reports whether it moved any row.
 func (d *Dispatcher) parkBlocked(ctx context.Context) (parked bool) {
 	now := time.Now()
 	last := d.lastPark.Load()
@@ -48,6 +52,11 @@ func (d *Dispatcher) parkBlocked(ctx context.Context) (parked bool) {
 	return moved > 0
 }
 
+// scanWindow is how many of the oldest due rows parkBlocked looks at for
+// a dispatcher of batch size n: several windows' worth, so that it reaches
+// past the rows that other dispatchers' batches hold back.
+func scanWindow(n int) int { return max(4*n, 1000) }
+
 // blocker is the head of an aggregate that holds back due events of its
 // aggregate, and until when those should wait.
 type blocker struct {
@@ -58,13 +67,10 @@ type blocker struct {
 }
 
 // blockers finds the heads that hold back due rows of the aggregates
-// seen among the oldest due rows: a head that waits for a retry (until its
-// time) or for a requeue (for one lease), or a due head that the oldest
-// rows do not reach because rows of its aggregate come before it in due
-// order (until its time, which puts them behind it). An expired lease is
-// such a head: a claim set its next_attempt_at to the lease's end, after
-// the rows written behind it while it was in flight, and when its
-// dispatcher died those rows would fill every window.
+// seen among the oldest due rows: a dead letter (the rows wait for one
+// lease), or a head that waits for a retry, or whose lease passed, while
+// rows of its aggregate come before it in due order (they wait until its
+// time, which puts them behind it).
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
 	res, err := d.pool().QueryContext(ctx, d.st.blockers, d.d.timeArg(now), scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)))
 	if err != nil {

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -157,15 +158,50 @@ func TestParkMovesRowsThatCameDueBeforeTheirHeadBehindIt(t *testing.T) {
 	})
 }
 
-// A due head inside the window blocks nothing: claims take it, and the
-// rows behind it are left as they are.
-func TestParkLeavesTheRowsBehindADueHeadInTheWindow(t *testing.T) {
+// A head that comes first in due order blocks nothing: claims take it,
+// and the rows behind it are left as they are.
+func TestParkLeavesTheRowsBehindAHeadThatComesFirst(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		_, d := parkSetup(t, e, 3)
-		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
+		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-2*time.Hour)))
 		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
 		if blockers, err := d.blockers(context.Background(), time.Now()); err != nil || len(blockers) != 0 {
 			t.Fatalf("blockers = %+v, %v; want none", blockers, err)
+		}
+	})
+}
+
+// A retried head comes after the rows behind it in due order. When they
+// fill a claim's window, no claim reaches the head, or any row after the
+// window: parking moves them behind the head, and claims go on, in order.
+func TestClaimsGoOnWhenRowsComeDueBeforeTheirHead(t *testing.T) {
+	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
+		db, _ := parkSetup(t, e, 3)
+		if err := Publish(db, Event{Type: "t", AggregateType: "agg", AggregateID: "other"}); err != nil {
+			t.Fatal(err)
+		}
+		now := time.Now()
+		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_id = 'dead' AND aggregate_sequence = 1`, now.Add(-time.Second).UTC())
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_id = 'dead' AND aggregate_sequence > 1`, now.Add(-time.Hour).UTC())
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_id = 'other'`, now.Add(-time.Minute).UTC())
+		var got []string
+		pub := PublisherFunc(func(_ context.Context, b Batch) error {
+			for _, m := range b.Messages {
+				got = append(got, fmt.Sprintf("%s#%d", m.AggregateID, m.Sequence))
+			}
+			return nil
+		})
+		d, err := NewDispatcher(db, pub, WithLogger(outboxtest.Logger(t)), WithBatchSize(2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 4 {
+			if _, err := d.Dispatch(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if want := "[dead#1 other#1 dead#2 dead#3]"; fmt.Sprint(got) != want {
+			t.Fatalf("published %v, want %s", got, want)
 		}
 	})
 }

@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS outbox_records (
 	UNIQUE KEY outbox_records_idempotency_key_key (idempotency_key),
 	-- due: the claim's scan, in its order.
 	KEY outbox_records_due (due_at, id),
-	-- aggregate: the per-aggregate order check and runs, over undelivered
+	-- aggregate: the per-aggregate order check and parking, over undelivered
 	-- rows: a lookup by (aggregate_type, undelivered_id) reads none of the
 	-- delivered history of the aggregate.
 	KEY outbox_records_aggregate (aggregate_type, undelivered_id, aggregate_sequence),
