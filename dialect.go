@@ -35,16 +35,20 @@ type dialect interface {
 	// timeArg encodes a timestamp argument so that the engine compares it
 	// correctly with stored timestamps.
 	timeArg(t time.Time) any
-	// returnsRows reports whether a statement of kind op can return the
-	// rows it wrote (RETURNING), which the plugin builds events from.
-	// Where it cannot (MySQL has no UPDATE ... RETURNING), a write of an
-	// emitting model of that kind is refused with ErrUnidentifiedRows
-	// before it runs.
-	returnsRows(op Op) bool
+	// returnsRows reports whether a statement that inserts or deletes
+	// (update false) or one that updates can return the rows it wrote
+	// (RETURNING), which the plugin builds events from. Where it cannot
+	// (MySQL has no UPDATE ... RETURNING), the plugin locks and reads the
+	// rows first, or refuses the write with ErrUnidentifiedRows.
+	returnsRows(update bool) bool
 	// insertedColumn is a RETURNING expression that is true for a row an
 	// upsert inserted and false for one it updated; empty where the
-	// engine has none, and the dialect then implements existingKeyReader.
+	// engine has none, and the plugin then reads the existing keys first
+	// as keyReads says.
 	insertedColumn() string
+	// keyReads says how the plugin reads which of an upsert's conflict
+	// keys exist, where insertedColumn is empty.
+	keyReads() keyReads
 	// errorAbortsTx reports whether a failed statement aborts its
 	// transaction (PostgreSQL), so that nothing of it can commit; where it
 	// does not, the plugin writes inside a savepoint in the caller's
@@ -191,6 +195,28 @@ type statements struct {
 	// claimable row, or NULL. lastFailure: the last_error of the most
 	// recently failed row.
 	counts, oldestDue, lastFailure string
+}
+
+// keyReads says how the plugin learns which rows an upsert will update on
+// an engine whose RETURNING cannot tell: it reads which of the upsert's
+// conflict keys exist first, inside the statement's transaction.
+type keyReads struct {
+	// lock is appended to each read (" FOR UPDATE" where rows lock), so
+	// that the keys stay as read until the upsert runs.
+	lock string
+	// rowList lists the keys as row constructors rather than VALUES
+	// (MariaDB answers `(a) IN (VALUES (?))` with no rows in a prepared
+	// statement).
+	rowList bool
+	// primaryKey: an upsert that names no conflict columns conflicts on
+	// the primary key (MySQL's ON DUPLICATE KEY UPDATE names none).
+	primaryKey bool
+	// uniqueKeys, where set, returns the unique keys of a table, by name,
+	// each as its sorted lower-case column names: the upsert fires on a
+	// clash with any of them (MySQL), so the plugin refuses one whose
+	// table has a unique key besides its conflict key. Nil where an
+	// upsert fires only on the key it names.
+	uniqueKeys func(ctx context.Context, conn gorm.ConnPool, table string) (map[string][]string, error)
 }
 
 // querier is what a claim's or a migration's transaction runs statements

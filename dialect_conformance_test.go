@@ -583,25 +583,35 @@ func checkReturnsRows(t *testing.T, c *conformance) {
 	} {
 		got, err := queryIDs(ctx, c.pool(), tc.stmt)
 		switch {
-		case c.d.returnsRows(tc.op) && (err != nil || !slices.Equal(sortedIDs(got), []int64{tc.id})):
+		case c.d.returnsRows(tc.op == OpUpdate) && (err != nil || !slices.Equal(sortedIDs(got), []int64{tc.id})):
 			t.Errorf("returnsRows(%s) is true, but %s returned %v, %v", tc.op, tc.stmt, sortedIDs(got), err)
-		case !c.d.returnsRows(tc.op) && err == nil:
+		case !c.d.returnsRows(tc.op == OpUpdate) && err == nil:
 			t.Errorf("returnsRows(%s) is false, but the engine ran %s", tc.op, tc.stmt)
 		}
 	}
 }
 
 // insertedColumn tells an upsert's inserted rows from its updated ones;
-// where it is empty, the dialect reads the existing keys instead.
+// where it is empty, the plugin reads the existing keys instead, and
+// keyReads' uniqueKeys, where set, names every unique key of a table.
 func checkInsertedColumn(t *testing.T, c *conformance) {
+	c.probe(t)
 	col := c.d.insertedColumn()
 	if col == "" {
-		if _, ok := c.d.(existingKeyReader); !ok {
-			t.Fatal("insertedColumn is empty, and the dialect is no existingKeyReader")
+		kr := c.d.keyReads()
+		if kr.uniqueKeys == nil {
+			return
+		}
+		c.exec(t, `CREATE UNIQUE INDEX conformance_probe_n ON conformance_probe (n, id)`)
+		keys, err := kr.uniqueKeys(ctx, c.pool(), "conformance_probe")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(keys) != 2 || !slices.Equal(keys["conformance_probe_n"], []string{"id", "n"}) {
+			t.Fatalf("unique keys %v, want the primary key and conformance_probe_n (id, n)", keys)
 		}
 		return
 	}
-	c.probe(t)
 	// PostgreSQL's upsert: the only engine with such a column.
 	res, err := c.pool().QueryContext(ctx, `INSERT INTO conformance_probe (id, n) VALUES (1, 10), (3, 30)
 ON CONFLICT (id) DO UPDATE SET n = excluded.n RETURNING id, `+col)

@@ -110,7 +110,7 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 	if op == OpDelete && strings.HasPrefix(strings.TrimSpace(stmt.SQL.String()), "UPDATE") {
 		kind = OpUpdate
 	}
-	if !d.returnsRows(kind) {
+	if !d.returnsRows(kind == OpUpdate) {
 		if (kind == OpUpdate || kind == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
 			return r, p.lockAndRead(db, r, kind)
 		}
@@ -400,13 +400,12 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 		return fmt.Errorf("%w: upsert of %s on %s: %s; write the rows one by one, or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
 			ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), why)
 	}
-	kr, ok := d.(existingKeyReader)
-	if !ok {
-		return refuse("the engine cannot tell updated rows from inserted ones")
-	}
+	kr := d.keyReads()
 	columns := oc.Columns
-	if len(columns) == 0 && oc.OnConstraint == "" {
-		columns = kr.defaultConflictColumns(stmt)
+	if len(columns) == 0 && oc.OnConstraint == "" && kr.primaryKey {
+		for _, f := range stmt.Schema.PrimaryFields {
+			columns = append(columns, clause.Column{Name: f.DBName})
+		}
 	}
 	if len(columns) == 0 || oc.OnConstraint != "" {
 		return refuse("the plugin needs the conflict columns (clause.OnConflict{Columns: ...}) to tell updated rows from inserted ones")
@@ -422,7 +421,25 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 	if models == nil {
 		return refuse("the rows are not model values")
 	}
-	existing, err := kr.existingKeys(stmt.Context, plainConn(stmt.ConnPool), stmt, r.keys, models)
+	conn := plainConn(stmt.ConnPool)
+	if kr.uniqueKeys != nil {
+		unique, err := kr.uniqueKeys(stmt.Context, conn, stmt.Table)
+		if err != nil {
+			return fmt.Errorf("outbox: upsert of %s: %w", stmt.Schema.Name, err)
+		}
+		want := make([]string, len(r.keys))
+		for i, f := range r.keys {
+			want[i] = strings.ToLower(f.DBName)
+		}
+		slices.Sort(want)
+		for name, cols := range unique {
+			if !slices.Equal(cols, want) {
+				return refuse(fmt.Sprintf("the table's unique key %s (%s) is not the conflict key (%s), and the upsert fires on either",
+					name, strings.Join(cols, ", "), strings.Join(want, ", ")))
+			}
+		}
+	}
+	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.bind, kr.lock, kr.rowList)
 	if err != nil {
 		return fmt.Errorf("outbox: upsert of %s: read the existing rows: %w", stmt.Schema.Name, err)
 	}
@@ -640,18 +657,6 @@ func modelsOf(stmt *gorm.Statement) []reflect.Value {
 		}
 	})
 	return out
-}
-
-// existingKeyReader is a dialect that tells an upsert's updates from its
-// inserts by reading, before the upsert, which of its conflict keys exist.
-type existingKeyReader interface {
-	// existingKeys returns the keyText keys of the models' values of keys
-	// that exist in the statement's table, read through conn inside the
-	// statement's transaction so that they stay true until the upsert.
-	existingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value) (map[string]bool, error)
-	// defaultConflictColumns returns the conflict columns of an upsert
-	// that names none, or nil where the engine needs them named.
-	defaultConflictColumns(stmt *gorm.Statement) []clause.Column
 }
 
 // existingChunk is how many rows one read of existing conflict keys names.

@@ -27,4 +27,7 @@ func (postgresDialect) abortTx(ctx context.Context, conn gorm.ConnPool) error {
 }
 
 // returnsRows: INSERT, UPDATE and DELETE all take RETURNING.
-func (postgresDialect) returnsRows(Op) bool { return true }
+func (postgresDialect) returnsRows(bool) bool { return true }
+
+// keyReads is never needed: insertedColumn tells an upsert's inserts.
+func (postgresDialect) keyReads() keyReads { return keyReads{} }
