@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // Kinds of [Violation], one per promise [Dispatcher.Check] verifies.
@@ -133,10 +135,10 @@ func (d *Dispatcher) Check(ctx context.Context, o CheckOptions) ([]Violation, er
 }
 
 func (d *Dispatcher) checkSequences(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`SELECT r.aggregate_type, r.aggregate_id,
+	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT r.aggregate_type, r.aggregate_id,
 	min(r.aggregate_sequence), max(r.aggregate_sequence), count(*), count(DISTINCT r.aggregate_sequence),
 	max(s.last_sequence), count(s.last_sequence)
-FROM `+d.t.records+` r LEFT JOIN `+d.t.sequences+` s
+FROM `+d.t.Records+` r LEFT JOIN `+d.t.Sequences+` s
 	ON s.aggregate_type = r.aggregate_type AND s.aggregate_id = r.aggregate_id
 GROUP BY r.aggregate_type, r.aggregate_id
 HAVING count(*) <> max(r.aggregate_sequence) - min(r.aggregate_sequence) + 1
@@ -183,9 +185,9 @@ LIMIT ?`), CheckViolationLimit)
 }
 
 func (d *Dispatcher) checkOrder(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`SELECT l.aggregate_type, l.aggregate_id, l.event_id,
+	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT l.aggregate_type, l.aggregate_id, l.event_id,
 	l.aggregate_sequence, min(e.aggregate_sequence), count(*)
-FROM `+d.t.records+` l JOIN `+d.t.records+` e
+FROM `+d.t.Records+` l JOIN `+d.t.Records+` e
 	ON e.aggregate_type = l.aggregate_type AND e.aggregate_id = l.aggregate_id
 	AND e.aggregate_sequence < l.aggregate_sequence
 WHERE l.delivery_state = 'delivered' AND e.delivery_state = 'pending' AND e.batch_id IS NULL
@@ -214,12 +216,12 @@ LIMIT ?`), CheckViolationLimit)
 }
 
 func (d *Dispatcher) checkLeases(ctx context.Context, now time.Time, o CheckOptions) ([]Violation, error) {
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`SELECT aggregate_type, aggregate_id, event_id, `+
-		d.d.readTime("locked_until")+`
-FROM `+d.t.records+`
+	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT aggregate_type, aggregate_id, event_id, `+
+		d.d.ReadTime("locked_until")+`
+FROM `+d.t.Records+`
 WHERE delivery_state = 'delivering' AND (locked_until IS NULL OR locked_until < ?)
 ORDER BY locked_until, id
-LIMIT ?`), d.d.timeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
+LIMIT ?`), d.d.TimeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
 	if err != nil {
 		return nil, fmt.Errorf("leases: %w", err)
 	}
@@ -228,7 +230,7 @@ LIMIT ?`), d.d.timeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
 	for rows.Next() {
 		var (
 			v     Violation
-			until scanTime
+			until dialect.Time
 		)
 		if err := rows.Scan(&v.AggregateType, &v.AggregateID, &v.EventID, &until); err != nil {
 			return nil, fmt.Errorf("leases: %w", err)
@@ -248,7 +250,7 @@ LIMIT ?`), d.d.timeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
 func (d *Dispatcher) checkKeys(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
 	var out []Violation
 	for _, column := range []string{"idempotency_key", "event_id"} {
-		rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(`SELECT `+column+`, count(*) FROM `+d.t.records+`
+		rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT `+column+`, count(*) FROM `+d.t.Records+`
 GROUP BY `+column+` HAVING count(*) > 1 ORDER BY `+column+` LIMIT ?`), CheckViolationLimit)
 		if err != nil {
 			return nil, fmt.Errorf("keys: %w", err)
@@ -282,13 +284,13 @@ func (d *Dispatcher) checkDueAge(ctx context.Context, now time.Time, o CheckOpti
 	}
 	var (
 		v      Violation
-		oldest scanTime
+		oldest dialect.Time
 	)
-	err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.bind(`SELECT aggregate_type, aggregate_id, event_id, `+
-		d.d.readTime("next_attempt_at")+` FROM `+d.t.records+`
+	err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.Bind(`SELECT aggregate_type, aggregate_id, event_id, `+
+		d.d.ReadTime("next_attempt_at")+` FROM `+d.t.Records+`
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
 	AND (delivery_state <> 'delivering' OR locked_until IS NULL OR locked_until <= ?)
-ORDER BY next_attempt_at, id LIMIT 1`), d.d.timeArg(now), d.d.timeArg(now)).Scan(&v.AggregateType, &v.AggregateID, &v.EventID, &oldest)
+ORDER BY next_attempt_at, id LIMIT 1`), d.d.TimeArg(now), d.d.TimeArg(now)).Scan(&v.AggregateType, &v.AggregateID, &v.EventID, &oldest)
 	if err != nil {
 		if errors.Is(err, sql.ErrNoRows) {
 			return nil, nil

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // A claim leases up to a batch of claimable rows, in one short transaction,
@@ -43,7 +45,7 @@ import (
 // On PostgreSQL the three are one statement (statements.claim), whose
 // check is SQL: a row is kept when its offset from its aggregate's lowest
 // sequence in the window equals its rank there. Elsewhere they are three
-// statements in claimTx, and pickOldest checks the window in Go.
+// statements in ClaimTx, and pickOldest checks the window in Go.
 //
 // Rows the check holds back stay where they are. Behind an event that
 // waits for a retry or was dead-lettered, parkBlocked moves them out of
@@ -84,13 +86,13 @@ type claimResult struct {
 // windowRow is a row of a claim's window.
 type windowRow struct {
 	id  int64
-	agg aggregateKey
+	agg dialect.Aggregate
 	seq int64
 }
 
 // claim leases up to the batch size of rows under a fresh batch id, in
 // one statement where the engine has it (PostgreSQL), and otherwise as
-// window, order check and lease in one claimTx.
+// window, order check and lease in one ClaimTx.
 func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	now := time.Now()
 	r := claimResult{batchID: uuid.Must(uuid.NewV7()).String()}
@@ -100,13 +102,13 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	}
 	seen := 0
 	var err error
-	if d.st.claim != "" {
+	if d.st.Claim != "" {
 		seen, r.rows, r.blocked, err = d.claimOldest(ctx, now, r.batchID, shard)
 	} else {
-		err = d.d.claimTx(ctx, d.db, func(q querier) error {
-			query, args := d.st.window, []any{d.d.timeArg(now), d.batchSize}
+		err = d.d.ClaimTx(ctx, d.db, func(q dialect.Querier) error {
+			query, args := d.st.Window, []any{d.d.TimeArg(now), d.batchSize}
 			if shard >= 0 {
-				query, args = d.st.windowShard, append(args, shard)
+				query, args = d.st.WindowShard, append(args, shard)
 			}
 			win, err := queryRows(ctx, q, query, args...)
 			if err != nil {
@@ -126,14 +128,10 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 	return r, nil
 }
 
-// shards is how many shards a claim in shard mode divides the aggregates
-// into, by a hash of aggregate type and id.
-const shards = 8
-
 // shardable reports whether d's claims may read by shard: the engine has
 // the statements (SQLite's claims never overlap, and never need them).
 func (d *Dispatcher) shardable() bool {
-	return d.st.claimShard != "" || d.st.windowShard != ""
+	return d.st.ClaimShard != "" || d.st.WindowShard != ""
 }
 
 // nextShard sets what the next claim reads, after a claim of shard (-1:
@@ -154,27 +152,27 @@ func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
 	}
 	switch full := seen == d.batchSize; {
 	case shard < 0 && full && took < seen && !blocked:
-		d.shard.Store(rand.Int32N(shards) + 1)
+		d.shard.Store(rand.Int32N(dialect.Shards) + 1)
 	case shard < 0:
 	case !full:
 		d.shard.Store(0)
 	case took < seen:
-		d.shard.Store(rand.Int32N(shards) + 1)
+		d.shard.Store(rand.Int32N(dialect.Shards) + 1)
 	default:
-		d.shard.Store(int32(shard+1)%shards + 1)
+		d.shard.Store(int32(shard+1)%dialect.Shards + 1)
 	}
 }
 
 // leaseOldest leases, in q's transaction, the rows of the window win that
 // keep each aggregate's order (pickOldest), and reports whether it held
 // rows back behind a predecessor that is not in flight.
-func (d *Dispatcher) leaseOldest(ctx context.Context, q querier, now time.Time, batchID string, win []windowRow) ([]claimed, bool, error) {
-	ts := d.d.timeArg(now)
+func (d *Dispatcher) leaseOldest(ctx context.Context, q dialect.Querier, now time.Time, batchID string, win []windowRow) ([]claimed, bool, error) {
+	ts := d.d.TimeArg(now)
 	ids, blocked, err := d.pickOldest(ctx, q, ts, win)
 	if err != nil || len(ids) == 0 {
 		return nil, blocked, err
 	}
-	res, err := q.QueryContext(ctx, d.st.lease, batchID, d.d.timeArg(now.Add(d.lease)), ts, d.d.idList(ids))
+	res, err := q.QueryContext(ctx, d.st.Lease, batchID, d.d.TimeArg(now.Add(d.lease)), ts, d.d.IDList(ids))
 	if err != nil {
 		return nil, false, fmt.Errorf("lease: %w", err)
 	}
@@ -187,9 +185,9 @@ func (d *Dispatcher) leaseOldest(ctx context.Context, q querier, now time.Time, 
 // returns the window's size, the rows it leased, and whether it held rows
 // back behind a predecessor that is not in flight.
 func (d *Dispatcher) claimOldest(ctx context.Context, now time.Time, batchID string, shard int) (seen int, rows []claimed, blocked bool, err error) {
-	query, args := d.st.claim, []any{batchID, d.d.timeArg(now.Add(d.lease)), d.d.timeArg(now), d.batchSize}
+	query, args := d.st.Claim, []any{batchID, d.d.TimeArg(now.Add(d.lease)), d.d.TimeArg(now), d.batchSize}
 	if shard >= 0 {
-		query, args = d.st.claimShard, append(args, shard)
+		query, args = d.st.ClaimShard, append(args, shard)
 	}
 	res, err := d.pool().QueryContext(ctx, query, args...)
 	if err != nil {
@@ -228,7 +226,7 @@ func (d *Dispatcher) claimOldest(ctx context.Context, now time.Time, batchID str
 
 // queryRows reads rows of id, aggregate_type, aggregate_id,
 // aggregate_sequence.
-func queryRows(ctx context.Context, q querier, query string, args ...any) ([]windowRow, error) {
+func queryRows(ctx context.Context, q dialect.Querier, query string, args ...any) ([]windowRow, error) {
 	res, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err
@@ -237,7 +235,7 @@ func queryRows(ctx context.Context, q querier, query string, args ...any) ([]win
 	var out []windowRow
 	for res.Next() {
 		var w windowRow
-		if err := res.Scan(&w.id, &w.agg.typ, &w.agg.id, &w.seq); err != nil {
+		if err := res.Scan(&w.id, &w.agg.Type, &w.agg.ID, &w.seq); err != nil {
 			return nil, err
 		}
 		out = append(out, w)
@@ -253,12 +251,12 @@ func queryRows(ctx context.Context, q querier, query string, args ...any) ([]win
 // without a gap (a row missing from the window, because it is not
 // claimable or another claim holds it, ends the aggregate's rows),
 // provided the event before that lowest one is delivered or gone.
-func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []windowRow) ([]int64, bool, error) {
-	first := make(map[aggregateKey]int64, len(win))
-	present := make(map[aggregateSeq]int, len(win)) // rows per event
-	var aggs []aggregateKey
+func (d *Dispatcher) pickOldest(ctx context.Context, q dialect.Querier, now any, win []windowRow) ([]int64, bool, error) {
+	first := make(map[dialect.Aggregate]int64, len(win))
+	present := make(map[dialect.Position]int, len(win)) // rows per event
+	var aggs []dialect.Aggregate
 	for _, w := range win {
-		present[aggregateSeq{w.agg, w.seq}]++
+		present[dialect.Position{Aggregate: w.agg, Seq: w.seq}]++
 		if f, ok := first[w.agg]; !ok {
 			aggs = append(aggs, w.agg)
 			first[w.agg] = w.seq
@@ -266,21 +264,21 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []w
 			first[w.agg] = w.seq
 		}
 	}
-	var ask []aggregateSeq
+	var ask []dialect.Position
 	for _, k := range aggs {
 		if f := first[k]; f > 1 {
-			ask = append(ask, aggregateSeq{k, f - 1})
+			ask = append(ask, dialect.Position{Aggregate: k, Seq: f - 1})
 		}
 	}
 	blocked := false
 	if len(ask) > 0 {
-		states, err := queryStates(ctx, q, len(ask), d.st.undelivered, append([]any{now}, d.d.eventList(ask)...)...)
+		states, err := queryStates(ctx, q, len(ask), d.st.Undelivered, append([]any{now}, d.d.EventList(ask)...)...)
 		if err != nil {
 			return nil, false, fmt.Errorf("order check: %w", err)
 		}
 		for i, st := range states {
 			if st.Valid {
-				delete(first, ask[i].agg)
+				delete(first, ask[i].Aggregate)
 				blocked = blocked || st.String != "flight"
 			}
 		}
@@ -288,17 +286,17 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []w
 	// Each aggregate's rows end before the first sequence missing from
 	// the window, or at the first that two rows share (only a table
 	// written by hand has such rows; one of them is taken).
-	last := make(map[aggregateKey]int64, len(first))
+	last := make(map[dialect.Aggregate]int64, len(first))
 	for k, f := range first {
 		l := f
-		for present[aggregateSeq{k, l}] == 1 && present[aggregateSeq{k, l + 1}] > 0 {
+		for present[dialect.Position{Aggregate: k, Seq: l}] == 1 && present[dialect.Position{Aggregate: k, Seq: l + 1}] > 0 {
 			l++
 		}
 		last[k] = l
 	}
 	ids := make([]int64, 0, len(win))
 	for _, w := range win {
-		e := aggregateSeq{w.agg, w.seq}
+		e := dialect.Position{Aggregate: w.agg, Seq: w.seq}
 		if f, ok := first[w.agg]; ok && w.seq >= f && w.seq <= last[w.agg] && present[e] > 0 {
 			ids = append(ids, w.id)
 			present[e] = 0
@@ -309,7 +307,7 @@ func (d *Dispatcher) pickOldest(ctx context.Context, q querier, now any, win []w
 
 // queryStates reads a one-column text result, NULL allowed, that must
 // have exactly n rows.
-func queryStates(ctx context.Context, q querier, n int, query string, args ...any) ([]sql.NullString, error) {
+func queryStates(ctx context.Context, q dialect.Querier, n int, query string, args ...any) ([]sql.NullString, error) {
 	res, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err
@@ -364,7 +362,7 @@ func scanLeased(res *sql.Rows, want int) ([]claimed, error) {
 // dead-lettered with, or nil.
 func readMessage(m *Message, headers sql.NullString, at any) error {
 	var bad error
-	var occurred scanTime
+	var occurred dialect.Time
 	if err := occurred.Scan(at); err != nil {
 		bad = fmt.Errorf("occurred_at: %w", err)
 	}

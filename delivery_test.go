@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -568,3 +569,21 @@ func TestDefaultRetryPolicyGrowsFiveFoldToADay(t *testing.T) {
 }
 
 func errOf(_ int, err error) error { return err }
+
+// unknownEngine is SQLite under another name: an engine the library does
+// not support.
+type unknownEngine struct{ gorm.Dialector }
+
+func (unknownEngine) Name() string { return "sqlserver" }
+
+func TestAnEngineItDoesNotSupportIsAnInvalidOption(t *testing.T) {
+	dsn := outboxtest.SQLiteDSN(filepath.Join(t.TempDir(), "other.db"))
+	db, err := gorm.Open(unknownEngine{outboxtest.Dialector(outboxtest.SQLite, dsn)}, &gorm.Config{})
+	mustNil(t, err)
+	if err := db.Use(outbox.Plugin()); !errors.Is(err, outbox.ErrInvalidOption) || !strings.Contains(err.Error(), `"sqlserver"`) {
+		t.Errorf("Use(Plugin()) on sqlserver: err = %v, want ErrInvalidOption naming the engine", err)
+	}
+	if _, err := outbox.NewDispatcher(db, &recorder{}); !errors.Is(err, outbox.ErrInvalidOption) {
+		t.Errorf("NewDispatcher on sqlserver: err = %v, want ErrInvalidOption", err)
+	}
+}

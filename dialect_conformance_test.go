@@ -17,6 +17,8 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // TestDialectConformance is the contract of the dialect seam (dialect.go):
@@ -102,9 +104,9 @@ type conformance struct {
 	e    outboxtest.Engine
 	db   *gorm.DB
 	info outboxtest.DB
-	d    dialect
-	tb   tables
-	st   statements
+	d    dialect.Dialect
+	tb   dialect.Tables
+	st   dialect.Statements
 	now  time.Time
 	n    int // events written
 }
@@ -118,12 +120,12 @@ func openConformance(t *testing.T, e outboxtest.Engine) *conformance {
 	if err := AutoMigrate(db); err != nil {
 		t.Fatal(err)
 	}
-	d, err := dialectOf(db)
+	d, err := dialect.For(db)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tb := d.tables(conformanceTable)
-	return &conformance{e: e, db: db, info: info, d: d, tb: tb, st: d.statements(tb),
+	tb := d.Tables(conformanceTable)
+	return &conformance{e: e, db: db, info: info, d: d, tb: tb, st: d.Statements(tb),
 		now: time.Now().UTC().Truncate(time.Microsecond)}
 }
 
@@ -132,11 +134,11 @@ var ctx = context.Background()
 
 func (c *conformance) ago(d time.Duration) time.Time { return c.now.Add(-d) }
 func (c *conformance) in(d time.Duration) time.Time  { return c.now.Add(d) }
-func (c *conformance) ts(t time.Time) any            { return c.d.timeArg(t) }
+func (c *conformance) ts(t time.Time) any            { return c.d.TimeArg(t) }
 
 // rowLocks reports whether claims lock rows (PostgreSQL, MySQL) rather
 // than the whole database (SQLite): the lock statement is empty where
-// claimTx holds the database.
+// ClaimTx holds the database.
 func (c *conformance) rowLocks() bool { return c.e != outboxtest.SQLite }
 
 func (c *conformance) pool() gorm.ConnPool { return c.db.Statement.ConnPool }
@@ -144,9 +146,9 @@ func (c *conformance) pool() gorm.ConnPool { return c.db.Statement.ConnPool }
 // lockOldest reads and locks up to limit of the oldest claimable rows, in
 // q's claim transaction, skipping rows another claim holds: the engine's
 // window, or where the claim is one statement, the read its window makes.
-func (c *conformance) lockOldest(q querier, limit int) ([]windowRow, error) {
-	if c.st.window != "" {
-		return queryRows(ctx, q, c.st.window, c.ts(c.now), limit)
+func (c *conformance) lockOldest(q dialect.Querier, limit int) ([]windowRow, error) {
+	if c.st.Window != "" {
+		return queryRows(ctx, q, c.st.Window, c.ts(c.now), limit)
 	}
 	return queryRows(ctx, q, c.sql(`SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM {records}
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
@@ -155,13 +157,13 @@ ORDER BY next_attempt_at, id LIMIT ? FOR UPDATE SKIP LOCKED`), c.ts(c.now), c.ts
 }
 
 // markDelivering changes row id in q's claim transaction, as a lease would.
-func (c *conformance) markDelivering(q querier, id int64) error {
+func (c *conformance) markDelivering(q dialect.Querier, id int64) error {
 	_, err := q.ExecContext(ctx, c.sql(`UPDATE {records} SET delivery_state = 'delivering', batch_id = 'b1' WHERE id = ?`), id)
 	return err
 }
 
 // queryIDs reads a one-column result of ids.
-func queryIDs(ctx context.Context, q querier, query string, args ...any) (map[int64]bool, error) {
+func queryIDs(ctx context.Context, q dialect.Querier, query string, args ...any) (map[int64]bool, error) {
 	res, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err
@@ -190,7 +192,7 @@ func (c *conformance) sqlDB(t *testing.T) *sql.DB {
 // sql names the check's tables in query ({records}, {sequences}) and binds
 // its ? placeholders for the engine.
 func (c *conformance) sql(query string) string {
-	return c.d.bind(strings.NewReplacer("{records}", c.tb.records, "{sequences}", c.tb.sequences).Replace(query))
+	return c.d.Bind(strings.NewReplacer("{records}", c.tb.Records, "{sequences}", c.tb.Sequences).Replace(query))
 }
 
 // exec runs a statement on the pool and returns how many rows it changed.
@@ -207,31 +209,31 @@ func (c *conformance) exec(t *testing.T, query string, args ...any) int64 {
 	return n
 }
 
-// claimTx runs fn in the dialect's claim transaction and fails t if it fails.
-func (c *conformance) claimTx(t *testing.T, fn func(q querier) error) {
+// ClaimTx runs fn in the dialect's claim transaction and fails t if it fails.
+func (c *conformance) claimTx(t *testing.T, fn func(q dialect.Querier) error) {
 	t.Helper()
-	if err := c.d.claimTx(ctx, c.db, fn); err != nil {
+	if err := c.d.ClaimTx(ctx, c.db, fn); err != nil {
 		t.Fatal(err)
 	}
 }
 
 // event returns a new event of aggregate k.
-func (c *conformance) event(k aggregateKey) encodedEvent {
+func (c *conformance) event(k dialect.Aggregate) dialect.Record {
 	c.n++
 	id := fmt.Sprintf("ev-%d", c.n)
-	return encodedEvent{id: id, typ: "t", aggregateType: k.typ, aggregateID: k.id, key: id,
-		payload: fmt.Sprintf(`{"n":%d}`, c.n), occurredAt: c.ago(time.Hour).Add(time.Duration(c.n) * time.Microsecond)}
+	return dialect.Record{ID: id, Type: "t", AggregateType: k.Type, AggregateID: k.ID, Key: id,
+		Payload: fmt.Sprintf(`{"n":%d}`, c.n), OccurredAt: c.ago(time.Hour).Add(time.Duration(c.n) * time.Microsecond)}
 }
 
-// insert stores e through insertEvent, with now as its time, in a
-// transaction of its own that commits unless insertEvent fails.
-func (c *conformance) insert(t *testing.T, e encodedEvent, notify bool) (bool, error) {
+// insert stores e through InsertEvent, with now as its time, in a
+// transaction of its own that commits unless InsertEvent fails.
+func (c *conformance) insert(t *testing.T, e dialect.Record, notify bool) (bool, error) {
 	t.Helper()
 	tx, err := c.sqlDB(t).BeginTx(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ok, err := c.d.insertEvent(ctx, tx, c.tb, &e, c.now, notify)
+	ok, err := c.d.InsertEvent(ctx, tx, c.tb, &e, c.now, notify)
 	if err != nil {
 		_ = tx.Rollback()
 		return ok, err
@@ -267,15 +269,15 @@ func deliveredAt(at time.Time) spec { return spec{state: StateDelivered, deliver
 // state s; it returns the row's id.
 func (c *conformance) put(t *testing.T, agg string, s spec) int64 {
 	t.Helper()
-	return c.putEvent(t, c.event(aggregateKey{"agg", agg}), s)
+	return c.putEvent(t, c.event(dialect.Aggregate{Type: "agg", ID: agg}), s)
 }
 
-func (c *conformance) putEvent(t *testing.T, e encodedEvent, s spec) int64 {
+func (c *conformance) putEvent(t *testing.T, e dialect.Record, s spec) int64 {
 	t.Helper()
 	if ok, err := c.insert(t, e, false); !ok || err != nil {
 		t.Fatalf("insertEvent = %v, %v", ok, err)
 	}
-	id := c.idOf(t, e.id)
+	id := c.idOf(t, e.ID)
 	c.set(t, id, s)
 	return id
 }
@@ -336,9 +338,9 @@ func (c *conformance) get(t *testing.T, id int64) stored {
 	t.Helper()
 	var (
 		s                                                   stored
-		next, locked, updated, delivered, occurred, created scanTime
+		next, locked, updated, delivered, occurred, created dialect.Time
 	)
-	rt := c.d.readTime
+	rt := c.d.ReadTime
 	err := c.pool().QueryRowContext(ctx, c.sql(`SELECT delivery_state, event_id, idempotency_key, payload, headers,
 	batch_id, last_error, failure_kind, aggregate_sequence, delivery_attempts, revivals, `+
 		rt("next_attempt_at")+`, `+rt("locked_until")+`, `+rt("updated_at")+`, `+rt("delivered_at")+`, `+
@@ -387,13 +389,13 @@ func (c *conformance) probe(t *testing.T) {
 // transaction is still open, other on another goroutine. It reports
 // whether other returned before the claim transaction ended, waiting up to
 // patience for that; other's error fails t.
-func (c *conformance) whileClaimHolds(t *testing.T, hold func(q querier) error, other func() error, patience time.Duration) bool {
+func (c *conformance) whileClaimHolds(t *testing.T, hold func(q dialect.Querier) error, other func() error, patience time.Duration) bool {
 	t.Helper()
 	held, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	claimed := make(chan error, 1)
 	go func() {
-		claimed <- c.d.claimTx(ctx, c.db, func(q querier) error {
+		claimed <- c.d.ClaimTx(ctx, c.db, func(q dialect.Querier) error {
 			if err := hold(q); err != nil {
 				return err
 			}
@@ -467,27 +469,27 @@ var lookalikes = []string{`IT'S "QUOTED"`, `it's "quoted" `, "ÜNÏCÖDÉ 😀",
 
 func checkName(t *testing.T, c *conformance) {
 	want := map[outboxtest.Engine]string{outboxtest.SQLite: "sqlite", outboxtest.Postgres: "postgres", outboxtest.MySQL: "mysql"}[c.e]
-	if got := c.d.name(); got != want {
+	if got := c.d.Name(); got != want {
 		t.Fatalf("name() = %q, want %q", got, want)
 	}
-	if ms, err := migrationsFor(c.d.name()); err != nil || len(ms) == 0 {
-		t.Fatalf("migrations of %q: %d, %v; want the engine's migrations", c.d.name(), len(ms), err)
+	if ms, err := migrationsFor(c.d.Name()); err != nil || len(ms) == 0 {
+		t.Fatalf("migrations of %q: %d, %v; want the engine's migrations", c.d.Name(), len(ms), err)
 	}
 }
 
 // The quoted names reach the tables AutoMigrate made for a name that is a
 // reserved word in mixed case.
 func checkTables(t *testing.T, c *conformance) {
-	if c.tb.name != conformanceTable || c.tb.records != c.tb.quote(conformanceTable) || c.tb.sequences != c.tb.quote(conformanceTable+"_sequences") {
+	if c.tb.Name != conformanceTable || c.tb.Records != c.tb.Quote(conformanceTable) || c.tb.Sequences != c.tb.Quote(conformanceTable+"_sequences") {
 		t.Fatalf("tables(%q) = %+v", conformanceTable, c.tb)
 	}
 	c.put(t, "A", spec{})
 	c.put(t, "A", spec{})
 	if n := c.count(t, c.sql(`SELECT count(*) FROM {records}`)); n != 2 {
-		t.Fatalf("%d rows in %s, want 2", n, c.tb.records)
+		t.Fatalf("%d rows in %s, want 2", n, c.tb.Records)
 	}
 	if n := c.count(t, c.sql(`SELECT last_sequence FROM {sequences} WHERE aggregate_id = ?`), "A"); n != 2 {
-		t.Fatalf("last sequence %d in %s, want 2", n, c.tb.sequences)
+		t.Fatalf("last sequence %d in %s, want 2", n, c.tb.Sequences)
 	}
 }
 
@@ -497,13 +499,13 @@ func checkBind(t *testing.T, c *conformance) {
 	a2 := c.put(t, "A", spec{})
 	c.put(t, "B", spec{})
 	var id int64
-	err := c.pool().QueryRowContext(ctx, c.d.bind(`SELECT id FROM `+c.tb.records+` WHERE aggregate_id = ? AND aggregate_sequence = ?`), "A", 2).Scan(&id)
+	err := c.pool().QueryRowContext(ctx, c.d.Bind(`SELECT id FROM `+c.tb.Records+` WHERE aggregate_id = ? AND aggregate_sequence = ?`), "A", 2).Scan(&id)
 	if err != nil || id != a2 {
 		t.Fatalf("row of A #2 = %d, %v; want %d", id, err, a2)
 	}
 }
 
-// A time stored through timeArg reads back to the microsecond, never
+// A time stored through TimeArg reads back to the microsecond, never
 // later than given, and compares correctly with times given in any zone.
 func checkTimeArg(t *testing.T, c *conformance) {
 	given := time.Date(2031, 2, 28, 3, 4, 5, 123456789, time.FixedZone("+05:30", 5*3600+1800))
@@ -548,7 +550,7 @@ func checkTimeArg(t *testing.T, c *conformance) {
 	}
 }
 
-// readTime makes a value the driver cannot read as a time fail to scan,
+// ReadTime makes a value the driver cannot read as a time fail to scan,
 // rather than read as the zero time. Each engine accepts some of these
 // values by hand; none may read.
 func checkReadTime(t *testing.T, c *conformance) {
@@ -559,8 +561,8 @@ func checkReadTime(t *testing.T, c *conformance) {
 			continue // the column cannot hold it
 		}
 		accepted++
-		var at scanTime
-		err := c.pool().QueryRowContext(ctx, c.sql(`SELECT `+c.d.readTime("occurred_at")+` FROM {records} WHERE id = ?`), id).Scan(&at)
+		var at dialect.Time
+		err := c.pool().QueryRowContext(ctx, c.sql(`SELECT `+c.d.ReadTime("occurred_at")+` FROM {records} WHERE id = ?`), id).Scan(&at)
 		if err == nil {
 			t.Errorf("occurred_at %q read as %v, want a scan error", v, at.Time)
 		}
@@ -568,7 +570,7 @@ func checkReadTime(t *testing.T, c *conformance) {
 	t.Logf("%d of the unreadable values stored", accepted)
 }
 
-// returnsRows is true exactly for the kinds of statement that take
+// ReturnsRows is true exactly for the kinds of statement that take
 // RETURNING on the engine.
 func checkReturnsRows(t *testing.T, c *conformance) {
 	c.probe(t)
@@ -583,27 +585,27 @@ func checkReturnsRows(t *testing.T, c *conformance) {
 	} {
 		got, err := queryIDs(ctx, c.pool(), tc.stmt)
 		switch {
-		case c.d.returnsRows(tc.op == OpUpdate) && (err != nil || !slices.Equal(sortedIDs(got), []int64{tc.id})):
+		case c.d.ReturnsRows(tc.op == OpUpdate) && (err != nil || !slices.Equal(sortedIDs(got), []int64{tc.id})):
 			t.Errorf("returnsRows(%s) is true, but %s returned %v, %v", tc.op, tc.stmt, sortedIDs(got), err)
-		case !c.d.returnsRows(tc.op == OpUpdate) && err == nil:
+		case !c.d.ReturnsRows(tc.op == OpUpdate) && err == nil:
 			t.Errorf("returnsRows(%s) is false, but the engine ran %s", tc.op, tc.stmt)
 		}
 	}
 }
 
-// insertedColumn tells an upsert's inserted rows from its updated ones;
+// InsertedColumn tells an upsert's inserted rows from its updated ones;
 // where it is empty, the plugin reads the existing keys instead, and
-// keyReads' uniqueKeys, where set, names every unique key of a table.
+// KeyReads' uniqueKeys, where set, names every unique key of a table.
 func checkInsertedColumn(t *testing.T, c *conformance) {
 	c.probe(t)
-	col := c.d.insertedColumn()
+	col := c.d.InsertedColumn()
 	if col == "" {
-		kr := c.d.keyReads()
-		if kr.uniqueKeys == nil {
+		kr := c.d.KeyReads()
+		if kr.UniqueKeys == nil {
 			return
 		}
 		c.exec(t, `CREATE UNIQUE INDEX conformance_probe_n ON conformance_probe (n, id)`)
-		keys, err := kr.uniqueKeys(ctx, c.pool(), "conformance_probe")
+		keys, err := kr.UniqueKeys(ctx, c.pool(), "conformance_probe")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -635,7 +637,7 @@ ON CONFLICT (id) DO UPDATE SET n = excluded.n RETURNING id, `+col)
 	}
 }
 
-// errorAbortsTx is true exactly where a failed statement leaves its
+// ErrorAbortsTx is true exactly where a failed statement leaves its
 // transaction unable to do or commit anything.
 func checkErrorAbortsTx(t *testing.T, c *conformance) {
 	c.probe(t)
@@ -655,21 +657,21 @@ func checkErrorAbortsTx(t *testing.T, c *conformance) {
 	n := c.count(t, `SELECT count(*) FROM conformance_probe`)
 	aborted := later != nil && n == 2
 	kept := later == nil && commit == nil && n == 4
-	if c.d.errorAbortsTx() && !aborted || !c.d.errorAbortsTx() && !kept {
+	if c.d.ErrorAbortsTx() && !aborted || !c.d.ErrorAbortsTx() && !kept {
 		t.Fatalf("errorAbortsTx() = %v, but after a failed statement: the next one %v, the commit %v, %d rows in the table (2 before)",
-			c.d.errorAbortsTx(), later, commit, n)
+			c.d.ErrorAbortsTx(), later, commit, n)
 	}
 }
 
-// idList carries ids, none or any, through the engine: in a claim's
+// IDList carries ids, none or any, through the engine: in a claim's
 // transaction (the lease, where the claim is not one statement) and on
 // the pool (the settle).
 func checkIDList(t *testing.T, c *conformance) {
 	r1, r2, r3 := c.put(t, "A", spec{}), c.put(t, "B", spec{}), c.put(t, "C", spec{})
 	lease := func(list []int64) map[int64]bool {
 		var got map[int64]bool
-		c.claimTx(t, func(q querier) error {
-			res, err := q.QueryContext(ctx, c.st.lease, "b1", c.ts(c.in(time.Minute)), c.ts(c.now), c.d.idList(list))
+		c.claimTx(t, func(q dialect.Querier) error {
+			res, err := q.QueryContext(ctx, c.st.Lease, "b1", c.ts(c.in(time.Minute)), c.ts(c.now), c.d.IDList(list))
 			if err != nil {
 				return err
 			}
@@ -683,7 +685,7 @@ func checkIDList(t *testing.T, c *conformance) {
 		})
 		return got
 	}
-	if c.st.lease == "" {
+	if c.st.Lease == "" {
 		// The claim takes no list; the settles below carry one.
 		c.exec(t, c.sql(`UPDATE {records} SET delivery_state = 'delivering', batch_id = 'b1' WHERE id IN (?, ?)`), r1, r3)
 	} else {
@@ -696,21 +698,21 @@ func checkIDList(t *testing.T, c *conformance) {
 			t.Fatalf("lease leased %v, want %v", sortedIDs(got), []int64{r1, r3})
 		}
 	}
-	if n := c.exec(t, c.st.settleDelivered, c.ts(c.now), "b1", c.d.idList(nil)); n != 0 {
+	if n := c.exec(t, c.st.SettleDelivered, c.ts(c.now), "b1", c.d.IDList(nil)); n != 0 {
 		t.Errorf("settle of no ids settled %d rows", n)
 	}
-	if n := c.exec(t, c.st.settleDelivered, c.ts(c.now), "b1", c.d.idList([]int64{r1, r2})); n != 1 {
+	if n := c.exec(t, c.st.SettleDelivered, c.ts(c.now), "b1", c.d.IDList([]int64{r1, r2})); n != 1 {
 		t.Errorf("settle of %d (leased) and %d (not) settled %d rows, want 1", r1, r2, n)
 	}
 }
 
-// textList carries text byte for byte, and NULL for a nil list: through
+// TextList carries text byte for byte, and NULL for a nil list: through
 // the requeue, whose lists select event ids and types.
 func checkTextList(t *testing.T, c *conformance) {
 	var failed []int64
 	for i, s := range awkward {
-		e := c.event(aggregateKey{"agg", fmt.Sprint(i)})
-		e.id, e.key, e.typ = s, s, s
+		e := c.event(dialect.Aggregate{Type: "agg", ID: fmt.Sprint(i)})
+		e.ID, e.Key, e.Type = s, s, s
 		failed = append(failed, c.putEvent(t, e, failedAt(c.ago(time.Hour), failureExhausted, 0)))
 	}
 	plain := c.put(t, "plain", failedAt(c.ago(time.Hour), failureExhausted, 0))
@@ -719,8 +721,8 @@ func checkTextList(t *testing.T, c *conformance) {
 		for _, id := range all {
 			c.set(t, id, failedAt(c.ago(time.Hour), failureExhausted, 0))
 		}
-		c.claimTx(t, func(q querier) error {
-			return drain(q.QueryContext(ctx, c.st.requeue, c.ts(c.now), 100, nil, c.d.textList(ids), c.d.textList(types)))
+		c.claimTx(t, func(q dialect.Querier) error {
+			return drain(q.QueryContext(ctx, c.st.Requeue, c.ts(c.now), 100, nil, c.d.TextList(ids), c.d.TextList(types)))
 		})
 		var moved []int64
 		for _, id := range all {
@@ -748,54 +750,54 @@ func checkTextList(t *testing.T, c *conformance) {
 	}
 }
 
-// eventList carries aggregates and sequences, in order, byte for byte:
+// EventList carries aggregates and sequences, in order, byte for byte:
 // through the order check (a claim's transaction, where the claim is not
 // one statement) and the unpark (the pool).
 func checkEventList(t *testing.T, c *conformance) {
-	var aggs []aggregateKey
+	var aggs []dialect.Aggregate
 	for i := 0; i+1 < len(awkward); i += 2 {
-		aggs = append(aggs, aggregateKey{awkward[i], awkward[i+1]})
+		aggs = append(aggs, dialect.Aggregate{Type: awkward[i], ID: awkward[i+1]})
 	}
-	aggs = append(aggs, aggregateKey{awkward[len(awkward)-1], awkward[0]})
+	aggs = append(aggs, dialect.Aggregate{Type: awkward[len(awkward)-1], ID: awkward[0]})
 	var second []int64
 	for _, k := range aggs {
 		c.putEvent(t, c.event(k), leasedUntil(c.in(time.Hour), "live"))
 		second = append(second, c.putEvent(t, c.event(k), dueAt(c.in(time.Hour))))
 	}
-	var ask []aggregateSeq
+	var ask []dialect.Position
 	var want []string
 	for _, k := range aggs {
-		ask = append(ask, aggregateSeq{k, 1})
+		ask = append(ask, dialect.Position{Aggregate: k, Seq: 1})
 		want = append(want, "flight")
 	}
 	for _, s := range lookalikes {
-		ask = append(ask, aggregateSeq{aggregateKey{s, aggs[0].id}, 1}, aggregateSeq{aggregateKey{aggs[0].typ, s}, 1})
+		ask = append(ask, dialect.Position{Aggregate: dialect.Aggregate{Type: s, ID: aggs[0].ID}, Seq: 1}, dialect.Position{Aggregate: dialect.Aggregate{Type: aggs[0].Type, ID: s}, Seq: 1})
 		want = append(want, "", "")
 	}
 	ask = append(ask, ask[0])
 	want = append(want, "flight")
-	c.claimTx(t, func(q querier) error {
-		if c.st.undelivered == "" {
+	c.claimTx(t, func(q dialect.Querier) error {
+		if c.st.Undelivered == "" {
 			return nil
 		}
-		got, err := queryStates(ctx, q, len(ask), c.st.undelivered, append([]any{c.ts(c.now)}, c.d.eventList(ask)...)...)
+		got, err := queryStates(ctx, q, len(ask), c.st.Undelivered, append([]any{c.ts(c.now)}, c.d.EventList(ask)...)...)
 		if err != nil {
 			return err
 		}
 		for i, st := range got {
 			if st.String != want[i] {
-				t.Errorf("order check of %q #%d: %q, want %q", ask[i].agg, ask[i].seq, st.String, want[i])
+				t.Errorf("order check of %q #%d: %q, want %q", ask[i].Aggregate, ask[i].Seq, st.String, want[i])
 			}
 		}
-		if _, err := queryStates(ctx, q, 0, c.st.undelivered, append([]any{c.ts(c.now)}, c.d.eventList(nil)...)...); err != nil {
+		if _, err := queryStates(ctx, q, 0, c.st.Undelivered, append([]any{c.ts(c.now)}, c.d.EventList(nil)...)...); err != nil {
 			t.Errorf("order check of an empty list: %v", err)
 		}
 		return nil
 	})
-	if n := c.exec(t, c.st.unpark, append([]any{c.ts(c.now)}, c.d.eventList(nil)...)...); n != 0 {
+	if n := c.exec(t, c.st.Unpark, append([]any{c.ts(c.now)}, c.d.EventList(nil)...)...); n != 0 {
 		t.Errorf("unpark of no aggregates moved %d rows", n)
 	}
-	if n := c.exec(t, c.st.unpark, append([]any{c.ts(c.now)}, c.d.eventList(ask[:len(aggs)])...)...); n != int64(len(aggs)) {
+	if n := c.exec(t, c.st.Unpark, append([]any{c.ts(c.now)}, c.d.EventList(ask[:len(aggs)])...)...); n != int64(len(aggs)) {
 		t.Errorf("unpark moved %d rows, want %d", n, len(aggs))
 	}
 	for _, id := range second {
@@ -808,7 +810,7 @@ func checkEventList(t *testing.T, c *conformance) {
 func checkClaimTx(t *testing.T, c *conformance) {
 	t.Run("CommitsWhatItDid", func(t *testing.T) {
 		id := c.put(t, "commit", spec{})
-		c.claimTx(t, func(q querier) error { return c.markDelivering(q, id) })
+		c.claimTx(t, func(q dialect.Querier) error { return c.markDelivering(q, id) })
 		if s := c.get(t, id); s.state != StateDelivering || s.batch.String != "b1" {
 			t.Fatalf("row after the claim: %s, batch %v; want delivering, b1", s.state, s.batch)
 		}
@@ -816,7 +818,7 @@ func checkClaimTx(t *testing.T, c *conformance) {
 	t.Run("AnErrorRollsBack", func(t *testing.T) {
 		id := c.put(t, "rollback", spec{})
 		stop := errors.New("stop")
-		err := c.d.claimTx(ctx, c.db, func(q querier) error {
+		err := c.d.ClaimTx(ctx, c.db, func(q dialect.Querier) error {
 			if err := c.markDelivering(q, id); err != nil {
 				return err
 			}
@@ -836,11 +838,11 @@ func checkClaimTx(t *testing.T, c *conformance) {
 		c.exec(t, c.sql(`DELETE FROM {records}`))
 		a, b := c.put(t, "A", dueAt(c.ago(2*time.Minute))), c.put(t, "B", spec{})
 		var beside []windowRow
-		overlapped := c.whileClaimHolds(t, func(q querier) error {
+		overlapped := c.whileClaimHolds(t, func(q dialect.Querier) error {
 			_, err := c.lockOldest(q, 1)
 			return err
 		}, func() error {
-			return c.d.claimTx(ctx, c.db, func(q querier) error {
+			return c.d.ClaimTx(ctx, c.db, func(q dialect.Querier) error {
 				var err error
 				beside, err = c.lockOldest(q, 10)
 				return err
@@ -856,15 +858,15 @@ func checkClaimTx(t *testing.T, c *conformance) {
 	t.Run("RunsAgainAfterALockConflict", func(t *testing.T) {
 		lockErr := lockWaitError(t, c)
 		runs := 0
-		err := c.d.claimTx(ctx, c.db, func(querier) error {
+		err := c.d.ClaimTx(ctx, c.db, func(dialect.Querier) error {
 			if runs++; runs == 1 {
 				return lockErr
 			}
 			return nil
 		})
-		if c.d.lockConflict(lockErr) && (err != nil || runs != 2) || !c.d.lockConflict(lockErr) && (!errors.Is(err, lockErr) || runs != 1) {
+		if c.d.LockConflict(lockErr) && (err != nil || runs != 2) || !c.d.LockConflict(lockErr) && (!errors.Is(err, lockErr) || runs != 1) {
 			t.Fatalf("claimTx after fn failed once with %v (lockConflict %v): %d runs, %v",
-				lockErr, c.d.lockConflict(lockErr), runs, err)
+				lockErr, c.d.LockConflict(lockErr), runs, err)
 		}
 	})
 	t.Run("SeesWhatCommitsDuringIt", func(t *testing.T) {
@@ -889,7 +891,7 @@ func checkClaimTx(t *testing.T, c *conformance) {
 		// Plain reads: a locking read sees the latest rows at any level.
 		var before, after map[int64]bool
 		read := c.sql(`SELECT id FROM {records}`)
-		err = c.d.claimTx(ctx, other, func(q querier) error {
+		err = c.d.ClaimTx(ctx, other, func(q dialect.Querier) error {
 			var err error
 			if before, err = queryIDs(ctx, q, read); err != nil {
 				return err
@@ -907,13 +909,13 @@ func checkClaimTx(t *testing.T, c *conformance) {
 	})
 }
 
-// migrateTx holds a lock that another migration of the table waits for;
+// MigrateTx holds a lock that another migration of the table waits for;
 // where DDL is transactional, fn's error rolls its work back.
 func checkMigrateTx(t *testing.T, c *conformance) {
 	held, release, entered := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	first := make(chan error, 1)
 	go func() {
-		first <- c.d.migrateTx(ctx, c.db, c.tb, func(querier) error {
+		first <- c.d.MigrateTx(ctx, c.db, c.tb, func(dialect.Querier) error {
 			close(held)
 			<-release
 			return nil
@@ -926,7 +928,7 @@ func checkMigrateTx(t *testing.T, c *conformance) {
 	}
 	second := make(chan error, 1)
 	go func() {
-		second <- c.d.migrateTx(ctx, c.db, c.tb, func(querier) error {
+		second <- c.d.MigrateTx(ctx, c.db, c.tb, func(dialect.Querier) error {
 			close(entered)
 			return nil
 		})
@@ -942,7 +944,7 @@ func checkMigrateTx(t *testing.T, c *conformance) {
 	}
 
 	stop := errors.New("stop")
-	err := c.d.migrateTx(ctx, c.db, c.tb, func(q querier) error {
+	err := c.d.MigrateTx(ctx, c.db, c.tb, func(q dialect.Querier) error {
 		if _, err := q.ExecContext(ctx, `CREATE TABLE conformance_migrated (id INTEGER PRIMARY KEY)`); err != nil {
 			return err
 		}
@@ -958,14 +960,14 @@ func checkMigrateTx(t *testing.T, c *conformance) {
 	}
 }
 
-// listen wakes for every notification, the one insertEvent asks for at
-// commit included, until its context ends; elsewhere it says errNoListen.
+// listen wakes for every notification, the one InsertEvent asks for at
+// commit included, until its context ends; elsewhere it says ErrNoListen.
 func checkListen(t *testing.T, c *conformance) {
 	wakes := make(chan struct{}, 16)
 	lctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- c.d.listen(lctx, c.db, c.tb, func() { wakes <- struct{}{} }) }()
+	go func() { done <- c.d.Listen(lctx, c.db, c.tb, func() { wakes <- struct{}{} }) }()
 	waitWake := func(what string) {
 		t.Helper()
 		select {
@@ -984,16 +986,16 @@ func checkListen(t *testing.T, c *conformance) {
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
-	if _, notifies := c.d.(commitNotifier); !notifies {
+	if _, notifies := c.d.(dialect.Notifier); !notifies {
 		select {
 		case err := <-done:
-			if !errors.Is(err, errNoListen) {
+			if !errors.Is(err, dialect.ErrNoListen) {
 				t.Fatalf("listen = %v, want errNoListen", err)
 			}
 		case <-time.After(10 * time.Second):
 			t.Fatal("listen did not return")
 		}
-		if ok, err := c.insert(t, c.event(aggregateKey{"agg", "A"}), true); !ok || err != nil {
+		if ok, err := c.insert(t, c.event(dialect.Aggregate{Type: "agg", ID: "A"}), true); !ok || err != nil {
 			t.Fatalf("insertEvent with notify = %v, %v", ok, err)
 		}
 		noWake("a notification the engine has not")
@@ -1005,8 +1007,8 @@ func checkListen(t *testing.T, c *conformance) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback()
-	e := c.event(aggregateKey{"agg", "A"})
-	if ok, err := c.d.insertEvent(ctx, tx, c.tb, &e, c.now, true); !ok || err != nil {
+	e := c.event(dialect.Aggregate{Type: "agg", ID: "A"})
+	if ok, err := c.d.InsertEvent(ctx, tx, c.tb, &e, c.now, true); !ok || err != nil {
 		t.Fatalf("insertEvent = %v, %v", ok, err)
 	}
 	noWake("an insert not committed yet")
@@ -1014,7 +1016,7 @@ func checkListen(t *testing.T, c *conformance) {
 		t.Fatal(err)
 	}
 	waitWake("a committed insert with notify")
-	if _, err := c.insert(t, c.event(aggregateKey{"agg", "A"}), false); err != nil {
+	if _, err := c.insert(t, c.event(dialect.Aggregate{Type: "agg", ID: "A"}), false); err != nil {
 		t.Fatal(err)
 	}
 	noWake("an insert without notify")
@@ -1043,22 +1045,22 @@ func (p plainPool) QueryRowContext(ctx context.Context, q string, args ...any) *
 	return p.db.QueryRowContext(ctx, q, args...)
 }
 
-// checkPool accepts the pool a claim transaction can begin on, and
+// CheckPool accepts the pool a claim transaction can begin on, and
 // refuses, with a reason, one it cannot.
 func checkCheckPool(t *testing.T, c *conformance) {
-	noop := func(querier) error { return nil }
-	if err := c.d.checkPool(c.db); err != nil {
+	noop := func(dialect.Querier) error { return nil }
+	if err := c.d.CheckPool(c.db); err != nil {
 		t.Fatalf("checkPool of the default pool: %v", err)
 	}
-	if err := c.d.claimTx(ctx, c.db, noop); err != nil {
+	if err := c.d.ClaimTx(ctx, c.db, noop); err != nil {
 		t.Fatalf("claimTx on the default pool: %v", err)
 	}
 	plain := c.db.WithContext(ctx) // a Statement of its own
 	plain.Statement.ConnPool = plainPool{c.sqlDB(t)}
-	if err := c.d.checkPool(plain); err == nil || err.Error() == "" {
+	if err := c.d.CheckPool(plain); err == nil || err.Error() == "" {
 		t.Fatalf("checkPool of a pool that cannot begin a transaction = %v, want a reason", err)
 	}
-	if err := c.d.claimTx(ctx, plain, noop); err == nil {
+	if err := c.d.ClaimTx(ctx, plain, noop); err == nil {
 		t.Fatal("claimTx ran on a pool that checkPool refused")
 	}
 }
@@ -1122,13 +1124,13 @@ func deadlockError(t *testing.T, c *conformance) error {
 			return err
 		}
 		defer tx.Rollback()
-		_, err = tx.ExecContext(ctx, c.d.bind(`UPDATE conformance_probe SET n = n + 1 WHERE id = ?`), a)
+		_, err = tx.ExecContext(ctx, c.d.Bind(`UPDATE conformance_probe SET n = n + 1 WHERE id = ?`), a)
 		firsts.Done()
 		if err != nil {
 			return err
 		}
 		firsts.Wait()
-		if _, err := tx.ExecContext(ctx, c.d.bind(`UPDATE conformance_probe SET n = n + 1 WHERE id = ?`), b); err != nil {
+		if _, err := tx.ExecContext(ctx, c.d.Bind(`UPDATE conformance_probe SET n = n + 1 WHERE id = ?`), b); err != nil {
 			return err
 		}
 		return tx.Commit()
@@ -1143,7 +1145,7 @@ func deadlockError(t *testing.T, c *conformance) error {
 	return errors.Join(e1, e2)
 }
 
-// lockConflict reports the engine's real deadlocks and lock wait timeouts
+// LockConflict reports the engine's real deadlocks and lock wait timeouts
 // on MySQL, where the dispatcher runs again what they ended, and nothing
 // elsewhere; it never reports an unrelated error.
 func checkLockConflict(t *testing.T, c *conformance) {
@@ -1153,10 +1155,10 @@ func checkLockConflict(t *testing.T, c *conformance) {
 		conflicts["deadlock"] = deadlockError(t, c)
 	}
 	for what, err := range conflicts {
-		if got := c.d.lockConflict(err); got != want {
+		if got := c.d.LockConflict(err); got != want {
 			t.Errorf("lockConflict(%s: %v) = %v, want %v", what, err, got, want)
 		}
-		if got := c.d.lockConflict(fmt.Errorf("claim: %w", err)); got != want {
+		if got := c.d.LockConflict(fmt.Errorf("claim: %w", err)); got != want {
 			t.Errorf("lockConflict of a wrapped %s = %v, want %v", what, got, want)
 		}
 	}
@@ -1166,20 +1168,20 @@ func checkLockConflict(t *testing.T, c *conformance) {
 	cancel()
 	_, ended := c.pool().ExecContext(cancelled, `SELECT 1`)
 	for _, err := range []error{duplicate, missing, ended, sql.ErrNoRows, nil} {
-		if c.d.lockConflict(err) {
+		if c.d.LockConflict(err) {
 			t.Errorf("lockConflict(%v) = true for an error that is no lock conflict", err)
 		}
 	}
 }
 
-// rejectsData reports the engine's refusals of a value, and no other
+// RejectsData reports the engine's refusals of a value, and no other
 // error: a JSON payload that encoding/json accepts and the engine's JSON
 // does not, text that is not UTF-8, a number out of range, text longer than
 // its column.
 func checkRejectsData(t *testing.T, c *conformance) {
 	id := c.put(t, "A", spec{})
-	deep := c.event(aggregateKey{"agg", "deep"})
-	deep.payload = strings.Repeat("[", 1001) + strings.Repeat("]", 1001)
+	deep := c.event(dialect.Aggregate{Type: "agg", ID: "deep"})
+	deep.Payload = strings.Repeat("[", 1001) + strings.Repeat("]", 1001)
 	_, deepErr := c.insert(t, deep, false)
 	refusals := map[string]error{"deeply nested JSON": deepErr}
 	for _, v := range []struct {
@@ -1199,48 +1201,48 @@ func checkRejectsData(t *testing.T, c *conformance) {
 			continue
 		}
 		refused++
-		if !c.d.rejectsData(err) {
+		if !c.d.RejectsData(err) {
 			t.Errorf("%s refused with %v: rejectsData false", what, err)
 		}
 	}
 	if refused == 0 {
 		t.Fatal("the engine refused none of the values")
 	}
-	clash := c.event(aggregateKey{"agg", "A"})
-	clash.id = c.get(t, id).eventID
+	clash := c.event(dialect.Aggregate{Type: "agg", ID: "A"})
+	clash.ID = c.get(t, id).eventID
 	_, duplicate := c.insert(t, clash, false)
 	_, missing := c.pool().ExecContext(ctx, `SELECT * FROM conformance_missing`)
 	for _, err := range []error{duplicate, missing, lockWaitError(t, c), context.Canceled} {
-		if err == nil || c.d.rejectsData(err) {
+		if err == nil || c.d.RejectsData(err) {
 			t.Errorf("rejectsData(%v) = true, or no error: want false for an error that refuses no value", err)
 		}
 	}
 }
 
-// insertEvent numbers each aggregate's events from 1 without a gap,
+// InsertEvent numbers each aggregate's events from 1 without a gap,
 // stores them as given, and stores nothing for a known idempotency key.
 func checkInsertEvent(t *testing.T, c *conformance) {
 	headers := `{"trace":"t-1","quote":"it's \"x\"","ünïcödé":"😀"}`
-	a1 := c.event(aggregateKey{awkward[0], awkward[9]})
-	a1.headers = &headers
-	a1.payload = `{"text": "ünïcödé 😀 \u2028", "list": [1, 2.5, null, true], "quote": "it's \"x\""}`
+	a1 := c.event(dialect.Aggregate{Type: awkward[0], ID: awkward[9]})
+	a1.Headers = &headers
+	a1.Payload = `{"text": "ünïcödé 😀 \u2028", "list": [1, 2.5, null, true], "quote": "it's \"x\""}`
 	if ok, err := c.insert(t, a1, false); !ok || err != nil {
 		t.Fatalf("insertEvent = %v, %v", ok, err)
 	}
-	ra1 := c.idOf(t, a1.id)
+	ra1 := c.idOf(t, a1.ID)
 	s := c.get(t, ra1)
 	switch {
-	case s.seq != 1 || s.key != a1.key || !sameJSON(s.payload, a1.payload) || !sameJSON(s.headers.String, headers):
-		t.Errorf("stored #%d, key %q, payload %s, headers %v; want #1, %q, %s, %s", s.seq, s.key, s.payload, s.headers, a1.key, a1.payload, headers)
+	case s.seq != 1 || s.key != a1.Key || !sameJSON(s.payload, a1.Payload) || !sameJSON(s.headers.String, headers):
+		t.Errorf("stored #%d, key %q, payload %s, headers %v; want #1, %q, %s, %s", s.seq, s.key, s.payload, s.headers, a1.Key, a1.Payload, headers)
 	case s.state != StatePending || s.attempts != 0 || !s.locked.IsZero() || s.batch.Valid:
 		t.Errorf("stored state %s, %d attempts, lease %v, batch %v; want a pending row", s.state, s.attempts, s.locked, s.batch)
-	case !s.next.Equal(c.now) || !s.created.Equal(c.now) || !s.updated.Equal(c.now) || !s.occurred.Equal(a1.occurredAt):
-		t.Errorf("stored next %v, created %v, updated %v, occurred %v; want now (%v) and %v", s.next, s.created, s.updated, s.occurred, c.now, a1.occurredAt)
+	case !s.next.Equal(c.now) || !s.created.Equal(c.now) || !s.updated.Equal(c.now) || !s.occurred.Equal(a1.OccurredAt):
+		t.Errorf("stored next %v, created %v, updated %v, occurred %v; want now (%v) and %v", s.next, s.created, s.updated, s.occurred, c.now, a1.OccurredAt)
 	}
 	if n := c.count(t, c.sql(`SELECT count(*) FROM {records} WHERE aggregate_type = ? AND aggregate_id = ?`), awkward[0], awkward[9]); n != 1 {
 		t.Errorf("%d rows of the awkward aggregate, want 1", n)
 	}
-	ra2 := c.putEvent(t, c.event(aggregateKey{awkward[0], awkward[9]}), spec{})
+	ra2 := c.putEvent(t, c.event(dialect.Aggregate{Type: awkward[0], ID: awkward[9]}), spec{})
 	rb1 := c.put(t, "B", spec{})
 	for id, want := range map[int64]int64{ra2: 2, rb1: 1} {
 		if got := c.get(t, id).seq; got != want {
@@ -1251,26 +1253,26 @@ func checkInsertEvent(t *testing.T, c *conformance) {
 	// A known key: nothing stored, whatever the existing row's state, and
 	// no sequence used.
 	c.set(t, ra1, deliveredAt(c.now))
-	dup := c.event(aggregateKey{awkward[0], awkward[9]})
-	dup.key = a1.key
+	dup := c.event(dialect.Aggregate{Type: awkward[0], ID: awkward[9]})
+	dup.Key = a1.Key
 	if ok, err := c.insert(t, dup, false); ok || err != nil {
 		t.Fatalf("insertEvent of a known key = %v, %v; want false, nil", ok, err)
 	}
-	if s := c.get(t, ra1); s.eventID != a1.id || s.state != StateDelivered {
+	if s := c.get(t, ra1); s.eventID != a1.ID || s.state != StateDelivered {
 		t.Errorf("the row of the known key became %s, %s", s.eventID, s.state)
 	}
-	if got := c.get(t, c.putEvent(t, c.event(aggregateKey{awkward[0], awkward[9]}), spec{})).seq; got != 3 {
+	if got := c.get(t, c.putEvent(t, c.event(dialect.Aggregate{Type: awkward[0], ID: awkward[9]}), spec{})).seq; got != 3 {
 		t.Errorf("the event after a known key: sequence %d, want 3", got)
 	}
-	clash := c.event(aggregateKey{"agg", "B"})
-	clash.id = a1.id
+	clash := c.event(dialect.Aggregate{Type: "agg", ID: "B"})
+	clash.ID = a1.ID
 	if ok, err := c.insert(t, clash, false); ok || err == nil {
 		t.Errorf("insertEvent of a known event id under a new key = %v, %v; want an error", ok, err)
 	}
 	// Keys compare byte for byte.
 	for _, k := range []string{"key", "Key", "key "} {
-		e := c.event(aggregateKey{"agg", "keys"})
-		e.key = k
+		e := c.event(dialect.Aggregate{Type: "agg", ID: "keys"})
+		e.Key = k
 		if ok, err := c.insert(t, e, false); !ok || err != nil {
 			t.Errorf("insertEvent of key %q = %v, %v; want a new row", k, ok, err)
 		}
@@ -1280,13 +1282,13 @@ func checkInsertEvent(t *testing.T, c *conformance) {
 // skipWithOneStatementClaim skips the check of a step of a claim on an
 // engine whose claim is one statement (checkClaim checks it there).
 func skipWithOneStatementClaim(t *testing.T, c *conformance) {
-	if c.st.claim != "" {
+	if c.st.Claim != "" {
 		t.Skip("the claim is one statement (Claim)")
 	}
 }
 
 func checkClaim(t *testing.T, c *conformance) {
-	if c.st.claim == "" {
+	if c.st.Claim == "" {
 		t.Skip("no one-statement claim: window, undelivered and lease run in claimTx")
 	}
 	type result struct {
@@ -1296,7 +1298,7 @@ func checkClaim(t *testing.T, c *conformance) {
 	}
 	claim := func(batch string) result {
 		t.Helper()
-		res, err := c.pool().QueryContext(ctx, c.st.claim, batch, c.ts(c.in(30*time.Second)), c.ts(c.now), 10)
+		res, err := c.pool().QueryContext(ctx, c.st.Claim, batch, c.ts(c.in(30*time.Second)), c.ts(c.now), 10)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1353,7 +1355,7 @@ func checkClaim(t *testing.T, c *conformance) {
 	x := c.put(t, "X", dueAt(c.ago(10*time.Minute)))
 	y := c.put(t, "Y", spec{})
 	var got result
-	overlapped := c.whileClaimHolds(t, func(q querier) error {
+	overlapped := c.whileClaimHolds(t, func(q dialect.Querier) error {
 		_, err := c.lockOldest(q, 1) // x
 		return err
 	}, func() error {
@@ -1379,12 +1381,12 @@ func checkWindow(t *testing.T, c *conformance) {
 	c.put(t, "H", failedAt(c.ago(time.Hour), failurePermanent, 0))
 	a2 := c.put(t, "A", dueAt(c.ago(2*time.Minute)))
 	edge := c.put(t, "I", dueAt(c.now))
-	c.claimTx(t, func(q querier) error {
+	c.claimTx(t, func(q dialect.Querier) error {
 		for _, tc := range []struct {
 			limit int
 			want  []int64
 		}{{10, []int64{a1, b1, expired, a2, edge}}, {2, []int64{a1, b1}}} {
-			rows, err := queryRows(ctx, q, c.st.window, c.ts(c.now), tc.limit)
+			rows, err := queryRows(ctx, q, c.st.Window, c.ts(c.now), tc.limit)
 			if err != nil {
 				return err
 			}
@@ -1392,7 +1394,7 @@ func checkWindow(t *testing.T, c *conformance) {
 				t.Errorf("window of %d: %v, want %v", tc.limit, ids(rows), tc.want)
 			}
 			for _, r := range rows {
-				if r.id == a2 && (r.agg != aggregateKey{"agg", "A"} || r.seq != 2) {
+				if r.id == a2 && (r.agg != dialect.Aggregate{Type: "agg", ID: "A"} || r.seq != 2) {
 					t.Errorf("window row %d: %+v, want agg/A #2", a2, r)
 				}
 			}
@@ -1406,7 +1408,9 @@ func checkWindow(t *testing.T, c *conformance) {
 // event after it; 'waits' otherwise.
 func checkUndelivered(t *testing.T, c *conformance) {
 	skipWithOneStatementClaim(t, c)
-	ev := func(agg string, seq int64) aggregateSeq { return aggregateSeq{aggregateKey{"agg", agg}, seq} }
+	ev := func(agg string, seq int64) dialect.Position {
+		return dialect.Position{Aggregate: dialect.Aggregate{Type: "agg", ID: agg}, Seq: seq}
+	}
 	pair := func(agg string, first, second spec) {
 		c.put(t, agg, first)
 		c.put(t, agg, second)
@@ -1419,17 +1423,17 @@ func checkUndelivered(t *testing.T, c *conformance) {
 	pair("failed", failedAt(c.ago(time.Hour), failurePermanent, 0), spec{})
 	pair("expired", leasedUntil(c.ago(time.Minute), "dead"), dueAt(c.ago(2*time.Minute)))
 	pair("later", dueAt(c.ago(time.Minute)), dueAt(c.ago(2*time.Minute)))
-	ask := []aggregateSeq{ev("delivered", 1), ev("gone", 7), ev("leased", 1), ev("earlier", 1), ev("same", 1),
+	ask := []dialect.Position{ev("delivered", 1), ev("gone", 7), ev("leased", 1), ev("earlier", 1), ev("same", 1),
 		ev("retry", 1), ev("failed", 1), ev("expired", 1), ev("later", 1), ev("leased", 1)}
 	want := []string{"", "", "flight", "flight", "flight", "waits", "waits", "waits", "waits", "flight"}
-	c.claimTx(t, func(q querier) error {
-		got, err := queryStates(ctx, q, len(ask), c.st.undelivered, append([]any{c.ts(c.now)}, c.d.eventList(ask)...)...)
+	c.claimTx(t, func(q dialect.Querier) error {
+		got, err := queryStates(ctx, q, len(ask), c.st.Undelivered, append([]any{c.ts(c.now)}, c.d.EventList(ask)...)...)
 		if err != nil {
 			return err
 		}
 		for i, st := range got {
 			if st.String != want[i] || st.Valid != (want[i] != "") {
-				t.Errorf("%s #%d: %v, want %q", ask[i].agg.id, ask[i].seq, st, want[i])
+				t.Errorf("%s #%d: %v, want %q", ask[i].Aggregate.ID, ask[i].Seq, st, want[i])
 			}
 		}
 		return nil
@@ -1440,15 +1444,15 @@ func checkUndelivered(t *testing.T, c *conformance) {
 func checkLease(t *testing.T, c *conformance) {
 	skipWithOneStatementClaim(t, c)
 	headers := `{"h":"v"}`
-	e1 := c.event(aggregateKey{"agg", "A"})
-	e1.headers = &headers
+	e1 := c.event(dialect.Aggregate{Type: "agg", ID: "A"})
+	e1.Headers = &headers
 	r1 := c.putEvent(t, e1, spec{attempts: 2})
 	r2 := c.put(t, "B", spec{})
-	e3 := c.event(aggregateKey{"agg", "C"})
+	e3 := c.event(dialect.Aggregate{Type: "agg", ID: "C"})
 	r3 := c.putEvent(t, e3, retryAt(c.ago(time.Minute)))
 	var leased []claimed
-	c.claimTx(t, func(q querier) error {
-		res, err := q.QueryContext(ctx, c.st.lease, "b1", c.ts(c.in(30*time.Second)), c.ts(c.now), c.d.idList([]int64{r3, r1}))
+	c.claimTx(t, func(q dialect.Querier) error {
+		res, err := q.QueryContext(ctx, c.st.Lease, "b1", c.ts(c.in(30*time.Second)), c.ts(c.now), c.d.IDList([]int64{r3, r1}))
 		if err != nil {
 			return err
 		}
@@ -1461,15 +1465,15 @@ func checkLease(t *testing.T, c *conformance) {
 		t.Fatalf("leased %+v, want rows %d and %d", leased, r1, r3)
 	}
 	for i, tc := range []struct {
-		e        encodedEvent
+		e        dialect.Record
 		attempts int
 		headers  map[string]string
 	}{{e1, 2, map[string]string{"h": "v"}}, {e3, 0, nil}} {
 		m := leased[i].msg
-		if leased[i].bad != nil || m.EventID != tc.e.id || m.EventType != tc.e.typ || m.AggregateType != tc.e.aggregateType ||
-			m.AggregateID != tc.e.aggregateID || m.Sequence != 1 || m.IdempotencyKey != tc.e.key ||
-			!sameJSON(string(m.Payload), tc.e.payload) || !maps.Equal(m.Headers, tc.headers) ||
-			!m.OccurredAt.Equal(tc.e.occurredAt) || leased[i].attempts != tc.attempts {
+		if leased[i].bad != nil || m.EventID != tc.e.ID || m.EventType != tc.e.Type || m.AggregateType != tc.e.AggregateType ||
+			m.AggregateID != tc.e.AggregateID || m.Sequence != 1 || m.IdempotencyKey != tc.e.Key ||
+			!sameJSON(string(m.Payload), tc.e.Payload) || !maps.Equal(m.Headers, tc.headers) ||
+			!m.OccurredAt.Equal(tc.e.OccurredAt) || leased[i].attempts != tc.attempts {
 			t.Errorf("leased %+v (%d attempts, bad %v); want event %+v, %d attempts", m, leased[i].attempts, leased[i].bad, tc.e, tc.attempts)
 		}
 	}
@@ -1493,7 +1497,7 @@ func checkSettleDelivered(t *testing.T, c *conformance) {
 	m3 := c.put(t, "C", leasedUntil(c.in(time.Minute), "b2"))
 	m4 := c.put(t, "D", spec{})
 	m5 := c.put(t, "E", spec{state: StateDelivered, batch: "b1", delivered: c.ago(time.Hour)})
-	if n := c.exec(t, c.st.settleDelivered, c.ts(c.now), "b1", c.d.idList([]int64{m1, m3, m4, m5})); n != 1 {
+	if n := c.exec(t, c.st.SettleDelivered, c.ts(c.now), "b1", c.d.IDList([]int64{m1, m3, m4, m5})); n != 1 {
 		t.Errorf("settled %d rows, want 1", n)
 	}
 	if s := c.get(t, m1); s.state != StateDelivered || s.attempts != 2 || !s.next.Equal(c.now) || s.lastErr.Valid ||
@@ -1518,7 +1522,7 @@ func checkSettleOther(t *testing.T, c *conformance) {
 	o1, o2, o4 := c.put(t, "A", leased), c.put(t, "B", leased), c.put(t, "D", leased)
 	o3 := c.put(t, "C", leasedUntil(c.in(time.Minute), "b2"))
 	settle := func(state string, attempts int, next time.Time, lastErr, kind any, ids ...int64) int64 {
-		return c.exec(t, c.st.settleOther, state, attempts, c.ts(next), lastErr, kind, c.ts(c.now), "b1", c.d.idList(ids))
+		return c.exec(t, c.st.SettleOther, state, attempts, c.ts(next), lastErr, kind, c.ts(c.now), "b1", c.d.IDList(ids))
 	}
 	reason := `boom: 'quoted' "x" ünïcödé 😀`
 	if n := settle(StateRetry, 3, c.in(time.Minute), reason, nil, o1, o3); n != 1 {
@@ -1579,7 +1583,7 @@ func checkBlockers(t *testing.T, c *conformance) {
 		until time.Time
 	}
 	blockers := func(scan int) []found {
-		res, err := c.pool().QueryContext(ctx, c.st.blockers, c.ts(c.now), scan, c.ts(leaseEnd))
+		res, err := c.pool().QueryContext(ctx, c.st.Blockers, c.ts(c.now), scan, c.ts(leaseEnd))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1589,7 +1593,7 @@ func checkBlockers(t *testing.T, c *conformance) {
 			var (
 				f     found
 				typ   string
-				until scanTime
+				until dialect.Time
 			)
 			if err := res.Scan(&typ, &f.agg, &f.seq, &f.state, &until); err != nil {
 				t.Fatal(err)
@@ -1633,7 +1637,7 @@ func checkPark(t *testing.T, c *conformance) {
 	c.put(t, "G", failedAt(c.ago(time.Hour), failurePermanent, 0))
 	g2 := c.put(t, "G", spec{})
 	park := func(agg, state string) int64 {
-		return c.exec(t, c.st.park, c.ts(until), c.ts(c.now), "agg", agg, 1, state)
+		return c.exec(t, c.st.Park, c.ts(until), c.ts(c.now), "agg", agg, 1, state)
 	}
 	if n := park("F", StateFailed); n != 2 {
 		t.Errorf("parked %d rows, want 2", n)
@@ -1659,7 +1663,7 @@ func checkUnpark(t *testing.T, c *conformance) {
 	a4, a5 := c.put(t, "A", leasedUntil(later, "live")), c.put(t, "A", spec{})
 	b1 := c.put(t, "B", dueAt(later))
 	k1 := c.put(t, "K", dueAt(later))
-	if n := c.exec(t, c.st.unpark, append([]any{c.ts(c.now)}, c.d.eventList([]aggregateSeq{{agg: aggregateKey{"agg", "A"}}, {agg: aggregateKey{"agg", "K"}}})...)...); n != 3 {
+	if n := c.exec(t, c.st.Unpark, append([]any{c.ts(c.now)}, c.d.EventList([]dialect.Position{{Aggregate: dialect.Aggregate{Type: "agg", ID: "A"}}, {Aggregate: dialect.Aggregate{Type: "agg", ID: "K"}}})...)...); n != 3 {
 		t.Errorf("unparked %d rows, want 3", n)
 	}
 	for id, want := range map[int64]time.Time{a2: c.now, a3: c.now, k1: c.now, a4: later, a5: c.ago(time.Minute), b1: later} {
@@ -1674,7 +1678,7 @@ func checkUnpark(t *testing.T, c *conformance) {
 func (c *conformance) aggregatesOf(t *testing.T, query string, args ...any) []string {
 	t.Helper()
 	var out []string
-	c.claimTx(t, func(q querier) error {
+	c.claimTx(t, func(q dialect.Querier) error {
 		out = nil
 		res, err := q.QueryContext(ctx, query, args...)
 		if err != nil {
@@ -1682,11 +1686,11 @@ func (c *conformance) aggregatesOf(t *testing.T, query string, args ...any) []st
 		}
 		defer res.Close()
 		for res.Next() {
-			var k aggregateKey
-			if err := res.Scan(&k.typ, &k.id); err != nil {
+			var k dialect.Aggregate
+			if err := res.Scan(&k.Type, &k.ID); err != nil {
 				return err
 			}
-			out = append(out, k.id)
+			out = append(out, k.ID)
 		}
 		return res.Err()
 	})
@@ -1705,7 +1709,7 @@ func checkRevive(t *testing.T, c *conformance) {
 	f4 := c.put(t, "D", failedAt(c.ago(2*time.Hour), failureExhausted, 1))
 	f5 := c.put(t, "E", failedAt(c.ago(time.Hour), failureExhausted, 0))
 	c.put(t, "F", spec{})
-	if got := c.aggregatesOf(t, c.st.revive, c.ts(c.now), 2, 2); !slices.Equal(got, []string{"A", "D"}) {
+	if got := c.aggregatesOf(t, c.st.Revive, c.ts(c.now), 2, 2); !slices.Equal(got, []string{"A", "D"}) {
 		t.Fatalf("revived %v, want A and D", got)
 	}
 	if s := c.get(t, f1); s.state != StatePending || s.attempts != 0 || s.revivals != 1 || s.kind.Valid || s.batch.Valid ||
@@ -1732,8 +1736,8 @@ func checkRequeue(t *testing.T, c *conformance) {
 	}
 	rows := map[string]int64{}
 	for agg, typ := range map[string]string{"A": "t.a", "B": "t.b", "C": "t.a"} {
-		e := c.event(aggregateKey{"agg", agg})
-		e.typ = typ
+		e := c.event(dialect.Aggregate{Type: "agg", ID: agg})
+		e.Type = typ
 		rows[agg] = c.putEvent(t, e, specs[agg])
 	}
 	c.put(t, "P", spec{})
@@ -1754,7 +1758,7 @@ func checkRequeue(t *testing.T, c *conformance) {
 		for agg, id := range rows {
 			c.set(t, id, specs[agg])
 		}
-		got := c.aggregatesOf(t, c.st.requeue, c.ts(c.now), tc.limit, tc.before, c.d.textList(tc.ids), c.d.textList(tc.types))
+		got := c.aggregatesOf(t, c.st.Requeue, c.ts(c.now), tc.limit, tc.before, c.d.TextList(tc.ids), c.d.TextList(tc.types))
 		if !slices.Equal(got, tc.want) {
 			t.Errorf("%s: requeued %v, want %v", tc.name, got, tc.want)
 		}
@@ -1785,7 +1789,7 @@ func checkCleanup(t *testing.T, c *conformance) {
 		return out
 	}
 	for _, want := range [][]int64{{d2, d3, p, f}, {d3, p, f}, {d3, p, f}} {
-		c.exec(t, c.st.cleanup, c.ts(c.ago(time.Hour)), 1)
+		c.exec(t, c.st.Cleanup, c.ts(c.ago(time.Hour)), 1)
 		if got := left(); !slices.Equal(got, want) {
 			t.Fatalf("rows left after a cleanup of 1: %v, want %v", got, want)
 		}
@@ -1798,7 +1802,7 @@ func checkCounts(t *testing.T, c *conformance) {
 		"H": failedAt(c.now, failurePermanent, 0)} {
 		c.put(t, agg, s)
 	}
-	res, err := c.pool().QueryContext(ctx, c.st.counts)
+	res, err := c.pool().QueryContext(ctx, c.st.Counts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1824,8 +1828,8 @@ func checkCounts(t *testing.T, c *conformance) {
 // NULL.
 func checkOldestDue(t *testing.T, c *conformance) {
 	oldest := func() time.Time {
-		var at scanTime
-		if err := c.pool().QueryRowContext(ctx, c.st.oldestDue, c.ts(c.now)).Scan(&at); err != nil {
+		var at dialect.Time
+		if err := c.pool().QueryRowContext(ctx, c.st.OldestDue, c.ts(c.now)).Scan(&at); err != nil {
 			t.Fatal(err)
 		}
 		return at.Time
@@ -1854,7 +1858,7 @@ func checkLastFailure(t *testing.T, c *conformance) {
 	retry.lastErr, retry.updated = "a retry", c.now
 	c.put(t, "C", retry)
 	var last sql.NullString
-	if err := c.pool().QueryRowContext(ctx, c.st.lastFailure).Scan(&last); err != nil || last.String != newer.lastErr {
+	if err := c.pool().QueryRowContext(ctx, c.st.LastFailure).Scan(&last); err != nil || last.String != newer.lastErr {
 		t.Fatalf("last failure %v, %v; want %q", last, err, newer.lastErr)
 	}
 }
@@ -1863,7 +1867,7 @@ func checkLastFailure(t *testing.T, c *conformance) {
 // read every claimable row once, each aggregate's rows in one shard, and
 // nothing that is not claimable.
 func checkShards(t *testing.T, c *conformance) {
-	if c.st.claimShard == "" && c.st.windowShard == "" {
+	if c.st.ClaimShard == "" && c.st.WindowShard == "" {
 		t.Skip("claims never read by shard")
 	}
 	want := map[int64]string{}
@@ -1877,10 +1881,10 @@ func checkShards(t *testing.T, c *conformance) {
 	c.put(t, "leased", leasedUntil(c.in(time.Hour), "other"))
 	shardOf := map[string]int{}
 	seen := map[int64]bool{}
-	for shard := range shards {
+	for shard := range dialect.Shards {
 		var got []int64
-		if c.st.claimShard != "" {
-			res, err := c.pool().QueryContext(ctx, c.st.claimShard, fmt.Sprint("s", shard), c.ts(c.in(30*time.Second)), c.ts(c.now), 1000, shard)
+		if c.st.ClaimShard != "" {
+			res, err := c.pool().QueryContext(ctx, c.st.ClaimShard, fmt.Sprint("s", shard), c.ts(c.in(30*time.Second)), c.ts(c.now), 1000, shard)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -1906,8 +1910,8 @@ func checkShards(t *testing.T, c *conformance) {
 				t.Fatal(err)
 			}
 		} else {
-			c.claimTx(t, func(q querier) error {
-				rows, err := queryRows(ctx, q, c.st.windowShard, c.ts(c.now), 1000, shard)
+			c.claimTx(t, func(q dialect.Querier) error {
+				rows, err := queryRows(ctx, q, c.st.WindowShard, c.ts(c.now), 1000, shard)
 				got = ids(rows)
 				return err
 			})
@@ -1932,7 +1936,7 @@ func checkShards(t *testing.T, c *conformance) {
 	for _, s := range shardOf {
 		used[s] = true
 	}
-	if len(used) < shards/2 {
-		t.Errorf("40 aggregates fell into %d of %d shards", len(used), shards)
+	if len(used) < dialect.Shards/2 {
+		t.Errorf("40 aggregates fell into %d of %d shards", len(used), dialect.Shards)
 	}
 }

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // Delivery states of an outbox row (the delivery_state column); the
@@ -84,9 +86,9 @@ const (
 type Dispatcher struct {
 	db  *gorm.DB
 	pub Publisher
-	d   dialect
-	t   tables
-	st  statements
+	d   dialect.Dialect
+	t   dialect.Tables
+	st  dialect.Statements
 
 	batchSize      int
 	lease          time.Duration
@@ -237,11 +239,11 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if _, inTx := db.Statement.ConnPool.(gorm.TxCommitter); inTx {
 		return nil, fmt.Errorf("%w: NewDispatcher: db is inside a transaction; a dispatcher commits each of its statements on its own", ErrInvalidOption)
 	}
-	dl, err := dialectOf(db)
+	dl, err := dialect.For(db)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w: NewDispatcher: %w", ErrInvalidOption, err)
 	}
-	if err := dl.checkPool(db); err != nil {
+	if err := dl.CheckPool(db); err != nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: %w", ErrInvalidOption, err)
 	}
 	d := &Dispatcher{
@@ -261,8 +263,8 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 		maxRevivals:    DefaultMaxRevivals,
 		wake:           make(chan struct{}, 1),
 	}
-	d.t = dl.tables(tableNameOf(db))
-	d.st = dl.statements(d.t)
+	d.t = dl.Tables(tableNameOf(db))
+	d.st = dl.Statements(d.t)
 	for _, opt := range opts {
 		if err := opt(d); err != nil {
 			return nil, err
@@ -345,7 +347,7 @@ func (d *Dispatcher) Dispatch(ctx context.Context) (r DispatchResult, err error)
 // unreadableSeqs maps each aggregate of a batch that has a row that cannot
 // be read to the lowest sequence of such a row. It is nil for a batch
 // whose rows were all read, which is the normal case.
-type unreadableSeqs map[aggregateKey]int64
+type unreadableSeqs map[dialect.Aggregate]int64
 
 // unreadable returns the unreadable rows of a batch by aggregate.
 func unreadable(rows []claimed) unreadableSeqs {
@@ -357,7 +359,7 @@ func unreadable(rows []claimed) unreadableSeqs {
 		if u == nil {
 			u = unreadableSeqs{}
 		}
-		k := aggregateKey{r.msg.AggregateType, r.msg.AggregateID}
+		k := dialect.Aggregate{Type: r.msg.AggregateType, ID: r.msg.AggregateID}
 		if seq, ok := u[k]; !ok || r.msg.Sequence < seq {
 			u[k] = r.msg.Sequence
 		}
@@ -368,7 +370,7 @@ func unreadable(rows []claimed) unreadableSeqs {
 // withholds reports whether r stays out of the published batch: it cannot
 // be read, or it comes after a row of its aggregate that cannot.
 func (u unreadableSeqs) withholds(r claimed) bool {
-	seq, ok := u[aggregateKey{r.msg.AggregateType, r.msg.AggregateID}]
+	seq, ok := u[dialect.Aggregate{Type: r.msg.AggregateType, ID: r.msg.AggregateID}]
 	return ok && r.msg.Sequence >= seq
 }
 

@@ -10,6 +10,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/uuid"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // Op names the kind of write that produced an event.
@@ -94,24 +96,16 @@ func short(s string) string {
 	return s
 }
 
-// encodedEvent is an Event checked, defaulted and encoded for storage.
-type encodedEvent struct {
-	id, typ, aggregateType, aggregateID, key string
-	payload                                  string
-	headers                                  *string
-	occurredAt                               time.Time
-}
-
 // encode validates e, fills its defaults and encodes its payload and
 // headers. Every error wraps ErrInvalidEvent.
-func (e Event) encode(now time.Time) (encodedEvent, error) {
+func (e Event) encode(now time.Time) (dialect.Record, error) {
 	switch {
 	case e.Type == "":
-		return encodedEvent{}, fmt.Errorf("%w: Type is empty", ErrInvalidEvent)
+		return dialect.Record{}, fmt.Errorf("%w: Type is empty", ErrInvalidEvent)
 	case e.AggregateType == "":
-		return encodedEvent{}, fmt.Errorf("%w %q: AggregateType is empty", ErrInvalidEvent, short(e.Type))
+		return dialect.Record{}, fmt.Errorf("%w %q: AggregateType is empty", ErrInvalidEvent, short(e.Type))
 	case e.AggregateID == "":
-		return encodedEvent{}, fmt.Errorf("%w %q: AggregateID is empty", ErrInvalidEvent, short(e.Type))
+		return dialect.Record{}, fmt.Errorf("%w %q: AggregateID is empty", ErrInvalidEvent, short(e.Type))
 	}
 	for _, f := range []struct {
 		name, value string
@@ -122,50 +116,50 @@ func (e Event) encode(now time.Time) (encodedEvent, error) {
 		{"IdempotencyKey", e.IdempotencyKey, MaxIdempotencyKeyLength},
 	} {
 		if n := utf8.RuneCountInString(f.value); n > f.max {
-			return encodedEvent{}, fmt.Errorf("%w %q: %s is %d characters long, more than the %d allowed", ErrInvalidEvent, short(e.Type), f.name, n, f.max)
+			return dialect.Record{}, fmt.Errorf("%w %q: %s is %d characters long, more than the %d allowed", ErrInvalidEvent, short(e.Type), f.name, n, f.max)
 		}
 		if err := storableText(f.value); err != nil {
-			return encodedEvent{}, fmt.Errorf("%w %q: %s %w", ErrInvalidEvent, short(e.Type), f.name, err)
+			return dialect.Record{}, fmt.Errorf("%w %q: %s %w", ErrInvalidEvent, short(e.Type), f.name, err)
 		}
 	}
 	for k, v := range e.Headers {
 		if err := errors.Join(storableText(k), storableText(v)); err != nil {
-			return encodedEvent{}, fmt.Errorf("%w %q: header %q: %w", ErrInvalidEvent, e.Type, short(k), err)
+			return dialect.Record{}, fmt.Errorf("%w %q: header %q: %w", ErrInvalidEvent, e.Type, short(k), err)
 		}
 	}
-	enc := encodedEvent{
-		id:            e.ID,
-		typ:           e.Type,
-		aggregateType: e.AggregateType,
-		aggregateID:   e.AggregateID,
-		key:           e.IdempotencyKey,
-		occurredAt:    e.OccurredAt,
+	enc := dialect.Record{
+		ID:            e.ID,
+		Type:          e.Type,
+		AggregateType: e.AggregateType,
+		AggregateID:   e.AggregateID,
+		Key:           e.IdempotencyKey,
+		OccurredAt:    e.OccurredAt,
 	}
-	if enc.id == "" {
+	if enc.ID == "" {
 		id, err := uuid.NewV7()
 		if err != nil {
-			return encodedEvent{}, fmt.Errorf("outbox: event %q: generate ID: %w", e.Type, err)
+			return dialect.Record{}, fmt.Errorf("outbox: event %q: generate ID: %w", e.Type, err)
 		}
-		enc.id = id.String()
+		enc.ID = id.String()
 	}
-	if enc.key == "" {
-		enc.key = enc.id
+	if enc.Key == "" {
+		enc.Key = enc.ID
 	}
-	if enc.occurredAt.IsZero() {
-		enc.occurredAt = now
+	if enc.OccurredAt.IsZero() {
+		enc.OccurredAt = now
 	}
 	payload, err := encodePayload(e.Payload)
 	if err != nil {
-		return encodedEvent{}, fmt.Errorf("%w %q: payload: %w", ErrInvalidEvent, e.Type, err)
+		return dialect.Record{}, fmt.Errorf("%w %q: payload: %w", ErrInvalidEvent, e.Type, err)
 	}
-	enc.payload = payload
+	enc.Payload = payload
 	if e.Headers != nil {
 		h, err := json.Marshal(e.Headers)
 		if err != nil {
-			return encodedEvent{}, fmt.Errorf("%w %q: headers: %w", ErrInvalidEvent, e.Type, err)
+			return dialect.Record{}, fmt.Errorf("%w %q: headers: %w", ErrInvalidEvent, e.Type, err)
 		}
 		s := string(h)
-		enc.headers = &s
+		enc.Headers = &s
 	}
 	return enc, nil
 }

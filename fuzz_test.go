@@ -17,6 +17,8 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // FuzzEventEncode feeds arbitrary events to the validation and encoding
@@ -95,40 +97,40 @@ func FuzzEventEncode(f *testing.F) {
 		if raw && !json.Valid(payload) {
 			t.Fatalf("accepted a raw payload that is not JSON: %q", payload)
 		}
-		if raw && enc.payload != string(payload) {
-			t.Fatalf("raw payload stored as %q, want it as is: %q", enc.payload, payload)
+		if raw && enc.Payload != string(payload) {
+			t.Fatalf("raw payload stored as %q, want it as is: %q", enc.Payload, payload)
 		}
-		if !json.Valid([]byte(enc.payload)) {
-			t.Fatalf("encoded payload is not JSON: %q", enc.payload)
+		if !json.Valid([]byte(enc.Payload)) {
+			t.Fatalf("encoded payload is not JSON: %q", enc.Payload)
 		}
-		if enc.headers != nil && !json.Valid([]byte(*enc.headers)) {
-			t.Fatalf("encoded headers are not JSON: %q", *enc.headers)
+		if enc.Headers != nil && !json.Valid([]byte(*enc.Headers)) {
+			t.Fatalf("encoded headers are not JSON: %q", *enc.Headers)
 		}
-		if (ev.Headers == nil) != (enc.headers == nil) {
-			t.Fatalf("headers %v encoded as %v", ev.Headers, enc.headers)
+		if (ev.Headers == nil) != (enc.Headers == nil) {
+			t.Fatalf("headers %v encoded as %v", ev.Headers, enc.Headers)
 		}
 		switch {
-		case id != "" && enc.id != id, id == "" && enc.id == "":
-			t.Fatalf("event ID %q encoded as %q", id, enc.id)
-		case key != "" && enc.key != key, key == "" && enc.key != enc.id:
-			t.Fatalf("idempotency key %q encoded as %q (ID %q)", key, enc.key, enc.id)
-		case !enc.occurredAt.Equal(now):
-			t.Fatalf("occurred_at %v, want the time of the write %v", enc.occurredAt, now)
+		case id != "" && enc.ID != id, id == "" && enc.ID == "":
+			t.Fatalf("event ID %q encoded as %q", id, enc.ID)
+		case key != "" && enc.Key != key, key == "" && enc.Key != enc.ID:
+			t.Fatalf("idempotency key %q encoded as %q (ID %q)", key, enc.Key, enc.ID)
+		case !enc.OccurredAt.Equal(now):
+			t.Fatalf("occurred_at %v, want the time of the write %v", enc.OccurredAt, now)
 		}
 		// What is accepted must be storable on both engines: PostgreSQL
 		// rejects NUL characters and invalid UTF-8 in text, and \u0000 and
 		// unpaired surrogates in jsonb.
-		for name, s := range map[string]string{"Type": enc.typ, "AggregateType": enc.aggregateType, "AggregateID": enc.aggregateID, "ID": enc.id, "IdempotencyKey": enc.key} {
+		for name, s := range map[string]string{"Type": enc.Type, "AggregateType": enc.AggregateType, "AggregateID": enc.AggregateID, "ID": enc.ID, "IdempotencyKey": enc.Key} {
 			if !utf8.ValidString(s) || strings.ContainsRune(s, 0) {
 				t.Fatalf("accepted %s %q, which PostgreSQL cannot store (invalid UTF-8 or NUL)", name, s)
 			}
 		}
-		if why := unstorableJSON(enc.payload); why != "" {
-			t.Fatalf("accepted payload %q, which PostgreSQL cannot store: %s", enc.payload, why)
+		if why := unstorableJSON(enc.Payload); why != "" {
+			t.Fatalf("accepted payload %q, which PostgreSQL cannot store: %s", enc.Payload, why)
 		}
-		if enc.headers != nil {
-			if why := unstorableJSON(*enc.headers); why != "" {
-				t.Fatalf("accepted headers %q, which PostgreSQL cannot store: %s", *enc.headers, why)
+		if enc.Headers != nil {
+			if why := unstorableJSON(*enc.Headers); why != "" {
+				t.Fatalf("accepted headers %q, which PostgreSQL cannot store: %s", *enc.Headers, why)
 			}
 		}
 	})
@@ -262,11 +264,11 @@ func FuzzTableName(f *testing.F) {
 			AggregateSequence int64
 			Payload           string
 		}
-		if err := db.Raw(`SELECT event_type, aggregate_sequence, payload FROM ` + quote(name)).Scan(&rows).Error; err != nil {
+		if err := db.Raw(`SELECT event_type, aggregate_sequence, payload FROM ` + dialect.TablesFor(name).Records).Scan(&rows).Error; err != nil {
 			t.Fatalf("WithTable(%q): read back: %v", name, err)
 		}
 		var last int64
-		if err := db.Raw(`SELECT last_sequence FROM ` + quote(name+"_sequences")).Scan(&last).Error; err != nil {
+		if err := db.Raw(`SELECT last_sequence FROM ` + dialect.TablesFor(name).Sequences).Scan(&last).Error; err != nil {
 			t.Fatalf("WithTable(%q): read sequences: %v", name, err)
 		}
 		if len(rows) != 1 || rows[0].EventType != "t" || rows[0].AggregateSequence != 1 || last != 1 || !strings.Contains(rows[0].Payload, "table") {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // ErrNoHandler is wrapped, inside a [Permanent] error, by the failure that
@@ -148,10 +150,10 @@ func (h *Handlers) Publish(ctx context.Context, b Batch) error {
 	var (
 		failed map[string]error
 		// heldBy maps a failed aggregate to the event that failed first.
-		heldBy map[aggregateKey]string
+		heldBy map[dialect.Aggregate]string
 	)
 	for _, m := range b.Messages {
-		agg := aggregateKey{m.AggregateType, m.AggregateID}
+		agg := dialect.Aggregate{Type: m.AggregateType, ID: m.AggregateID}
 		var err error
 		if first, held := heldBy[agg]; held {
 			err = fmt.Errorf("%w: event %s of aggregate %s/%s failed before it",
@@ -164,7 +166,7 @@ func (h *Handlers) Publish(ctx context.Context, b Batch) error {
 		}
 		if failed == nil {
 			failed = map[string]error{}
-			heldBy = map[aggregateKey]string{}
+			heldBy = map[dialect.Aggregate]string{}
 		}
 		failed[m.EventID] = err
 		if _, held := heldBy[agg]; !held {

@@ -1,12 +1,13 @@
 package outbox
 
 import (
-	"context"
 	"fmt"
 	"reflect"
 	"time"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // registerCallbacks adds these callbacks to each of GORM's write chains:
@@ -151,7 +152,7 @@ func (p *OutboxPlugin) before(db *gorm.DB) {
 			return
 		}
 		st.tx = txWritesOf(db, p)
-		if d, err := dialectOf(db); err == nil && !d.errorAbortsTx() && !db.DryRun {
+		if d, err := dialect.For(db); err == nil && !d.ErrorAbortsTx() && !db.DryRun {
 			if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "SAVEPOINT "+savepointName); err != nil {
 				_ = db.AddError(fmt.Errorf("outbox: savepoint: %w", err))
 				return
@@ -234,9 +235,9 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 	}
 	if !st.own && db.Error != nil && st.returned != nil && len(st.returned.rows) > 0 {
 		// The caller's transaction holds rows whose events failed.
-		if d, err := dialectOf(db); err == nil {
-			if a, ok := d.(txAborter); ok {
-				_ = a.abortTx(stmt.Context, plainConn(stmt.ConnPool)) // it fails by design
+		if d, err := dialect.For(db); err == nil {
+			if a, ok := d.(dialect.Aborter); ok {
+				_ = a.AbortTx(stmt.Context, plainConn(stmt.ConnPool)) // it fails by design
 			}
 		}
 	}
@@ -271,13 +272,6 @@ func plainConn(conn gorm.ConnPool) gorm.ConnPool {
 		return c.ConnPool
 	}
 	return conn
-}
-
-// txAborter is a dialect whose engine aborts a transaction after a failed
-// statement (errorAbortsTx), and that can do so on purpose.
-type txAborter interface {
-	// abortTx makes the transaction of conn refuse to commit.
-	abortTx(ctx context.Context, conn gorm.ConnPool) error
 }
 
 // restore returns the connection to put back on db's statement when its
@@ -321,7 +315,7 @@ func (p *OutboxPlugin) record(db *gorm.DB, events []Event, w *txWrites, guard bo
 	if len(events) == 0 {
 		return nil
 	}
-	d, err := dialectOf(db)
+	d, err := dialect.For(db)
 	if err != nil {
 		return err
 	}
@@ -339,9 +333,9 @@ func (p *OutboxPlugin) record(db *gorm.DB, events []Event, w *txWrites, guard bo
 
 // encodeAll validates and encodes every event, so that a bad one writes
 // nothing.
-func encodeAll(events []Event) ([]encodedEvent, error) {
+func encodeAll(events []Event) ([]dialect.Record, error) {
 	now := time.Now()
-	encoded := make([]encodedEvent, len(events))
+	encoded := make([]dialect.Record, len(events))
 	for i, ev := range events {
 		var err error
 		if encoded[i], err = ev.encode(now); err != nil {
@@ -356,9 +350,9 @@ func encodeAll(events []Event) ([]encodedEvent, error) {
 // transaction commits, and reports whether it did (not when every event
 // was stored already). With guard (see record), a savepoint surrounds the
 // writes.
-func (p *OutboxPlugin) store(db *gorm.DB, d dialect, encoded []encodedEvent, notify, guard bool) (notified bool, err error) {
+func (p *OutboxPlugin) store(db *gorm.DB, d dialect.Dialect, encoded []dialect.Record, notify, guard bool) (notified bool, err error) {
 	ctx, conn := db.Statement.Context, plainConn(db.Statement.ConnPool)
-	if guard && !d.errorAbortsTx() {
+	if guard && !d.ErrorAbortsTx() {
 		if _, err := conn.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
 			return false, fmt.Errorf("outbox: savepoint: %w", err)
 		}
@@ -378,16 +372,16 @@ func (p *OutboxPlugin) store(db *gorm.DB, d dialect, encoded []encodedEvent, not
 		// identical ones, but sending it once saves the work. It rides on
 		// the first event actually inserted: one whose idempotency key is
 		// stored already is skipped, and its notification with it.
-		inserted, err := d.insertEvent(ctx, conn, p.tables, &encoded[i], now, notify && !notified)
+		inserted, err := d.InsertEvent(ctx, conn, p.tables, &encoded[i], now, notify && !notified)
 		if inserted && notify {
 			notified = true
 		}
 		if err != nil {
 			e := &encoded[i]
-			if d.rejectsData(err) {
-				return notified, fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, short(e.typ), err)
+			if d.RejectsData(err) {
+				return notified, fmt.Errorf("%w %q: the database refused a value: %w", ErrInvalidEvent, short(e.Type), err)
 			}
-			return notified, fmt.Errorf("outbox: write event %q (%s %s/%s): %w", short(e.id), short(e.typ), short(e.aggregateType), short(e.aggregateID), err)
+			return notified, fmt.Errorf("outbox: write event %q (%s %s/%s): %w", short(e.ID), short(e.Type), short(e.AggregateType), short(e.AggregateID), err)
 		}
 	}
 	return notified, nil

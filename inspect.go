@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // ErrMessageNotFound is returned (wrapped) by [Dispatcher.Message] when no
@@ -96,9 +98,9 @@ type MessageInfo struct {
 // with columns added later reads the same.
 func (d *Dispatcher) messageColumns() string {
 	return `id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, delivery_state, delivery_attempts, ` + d.d.readTime("next_attempt_at") + `,
-	batch_id, last_error, ` + d.d.readTime("locked_until") + `, ` + d.d.readTime("occurred_at") + `,
-	` + d.d.readTime("created_at") + `, ` + d.d.readTime("updated_at") + `, ` + d.d.readTime("delivered_at")
+	idempotency_key, payload, headers, delivery_state, delivery_attempts, ` + d.d.ReadTime("next_attempt_at") + `,
+	batch_id, last_error, ` + d.d.ReadTime("locked_until") + `, ` + d.d.ReadTime("occurred_at") + `,
+	` + d.d.ReadTime("created_at") + `, ` + d.d.ReadTime("updated_at") + `, ` + d.d.ReadTime("delivered_at")
 }
 
 // Messages returns the rows that f selects, in f's order. It reads the
@@ -132,7 +134,7 @@ func (d *Dispatcher) Message(ctx context.Context, eventID string) (MessageInfo, 
 		return MessageInfo{}, fmt.Errorf("outbox: message %s: %w", eventID, err)
 	}
 	if len(msgs) == 0 {
-		return MessageInfo{}, fmt.Errorf("%w: no event %q in %s", ErrMessageNotFound, eventID, d.t.name)
+		return MessageInfo{}, fmt.Errorf("%w: no event %q in %s", ErrMessageNotFound, eventID, d.t.Name)
 	}
 	return msgs[0], nil
 }
@@ -145,7 +147,7 @@ func (d *Dispatcher) RequeueCandidates(ctx context.Context, f RequeueFilter) ([]
 	where, args := mf.where(d)
 	if !f.FailedBefore.IsZero() {
 		where = append(where, "updated_at < ?")
-		args = append(args, d.d.timeArg(f.FailedBefore))
+		args = append(args, d.d.TimeArg(f.FailedBefore))
 	}
 	limit := f.Limit
 	if limit <= 0 {
@@ -160,7 +162,7 @@ func (d *Dispatcher) RequeueCandidates(ctx context.Context, f RequeueFilter) ([]
 
 // Table returns the name of the outbox table the dispatcher works on, as
 // configured (unquoted).
-func (d *Dispatcher) Table() string { return d.t.name }
+func (d *Dispatcher) Table() string { return d.t.Name }
 
 // where returns f's conditions and their arguments.
 func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
@@ -190,11 +192,11 @@ func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
 	}
 	if !f.CreatedBefore.IsZero() {
 		where = append(where, "created_at < ?")
-		args = append(args, d.d.timeArg(f.CreatedBefore))
+		args = append(args, d.d.TimeArg(f.CreatedBefore))
 	}
 	if !f.CreatedAfter.IsZero() {
 		where = append(where, "created_at >= ?")
-		args = append(args, d.d.timeArg(f.CreatedAfter))
+		args = append(args, d.d.TimeArg(f.CreatedAfter))
 	}
 	if f.SequenceFrom != 0 {
 		where = append(where, "aggregate_sequence >= ?")
@@ -208,12 +210,12 @@ func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
 }
 
 func (d *Dispatcher) queryMessages(ctx context.Context, where []string, order string, limit int, args []any) ([]MessageInfo, error) {
-	q := `SELECT ` + d.messageColumns() + ` FROM ` + d.t.records
+	q := `SELECT ` + d.messageColumns() + ` FROM ` + d.t.Records
 	if len(where) > 0 {
 		q += ` WHERE ` + strings.Join(where, " AND ")
 	}
 	q += ` ORDER BY ` + order + ` LIMIT ?`
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.bind(q), append(args, limit)...)
+	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(q), append(args, limit)...)
 	if err != nil {
 		return nil, err
 	}
@@ -224,8 +226,8 @@ func (d *Dispatcher) queryMessages(ctx context.Context, where []string, order st
 			m                                   MessageInfo
 			payload                             []byte
 			headers, batch, lastErr             sql.NullString
-			next, locked, occurred, created, up scanTime
-			delivered                           scanTime
+			next, locked, occurred, created, up dialect.Time
+			delivered                           dialect.Time
 		)
 		if err := rows.Scan(&m.ID, &m.EventID, &m.EventType, &m.AggregateType, &m.AggregateID, &m.Sequence,
 			&m.IdempotencyKey, &payload, &headers, &m.State, &m.Attempts, &next,
@@ -282,16 +284,16 @@ func (d *Dispatcher) Activity(ctx context.Context, step time.Duration, n int) ([
 			if i+1 < n {
 				to = buckets[i+1].Start
 			}
-			args = append(args, d.d.timeArg(buckets[i].Start), d.d.timeArg(to))
+			args = append(args, d.d.TimeArg(buckets[i].Start), d.d.TimeArg(to))
 		}
-		args = append(args, d.d.timeArg(start))
+		args = append(args, d.d.TimeArg(start))
 		dest := make([]any, n)
 		vals := make([]sql.NullInt64, n)
 		for i := range vals {
 			dest[i] = &vals[i]
 		}
-		if err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.bind(`SELECT `+strings.Join(sums, ", ")+
-			` FROM `+d.t.records+` WHERE `+cond+` AND `+column+` >= ?`), args...).Scan(dest...); err != nil {
+		if err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.Bind(`SELECT `+strings.Join(sums, ", ")+
+			` FROM `+d.t.Records+` WHERE `+cond+` AND `+column+` >= ?`), args...).Scan(dest...); err != nil {
 			return fmt.Errorf("outbox: activity: %w", err)
 		}
 		for i, v := range vals {

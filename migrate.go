@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // Migrations holds the schema as ordered SQL files per engine, the same
@@ -64,7 +66,7 @@ var defaultName = regexp.MustCompile(`\b` + DefaultTable + `(\w*)`)
 
 // statementsOf splits a migration into its statements, naming t's tables
 // and indexes instead of the default ones, and leaves out comments.
-func statementsOf(m migration, t tables) []string {
+func statementsOf(m migration, t dialect.Tables) []string {
 	var out []string
 	var cur strings.Builder
 	for _, line := range strings.Split(m.sql, "\n") {
@@ -77,7 +79,7 @@ func statementsOf(m migration, t tables) []string {
 		if strings.HasSuffix(trimmed, ";") {
 			stmt := strings.TrimSuffix(strings.TrimSpace(cur.String()), ";")
 			out = append(out, defaultName.ReplaceAllStringFunc(stmt, func(s string) string {
-				return t.quote(t.name + strings.TrimPrefix(s, DefaultTable))
+				return t.Quote(t.Name + strings.TrimPrefix(s, DefaultTable))
 			}))
 			cur.Reset()
 		}
@@ -102,17 +104,17 @@ func AutoMigrate(db *gorm.DB) error {
 }
 
 func autoMigrate(ctx context.Context, db *gorm.DB) error {
-	d, err := dialectOf(db)
+	d, err := dialect.For(db)
 	if err != nil {
 		return err
 	}
-	t := d.tables(tableNameOf(db))
-	ms, err := migrationsFor(d.name())
+	t := d.Tables(tableNameOf(db))
+	ms, err := migrationsFor(d.Name())
 	if err != nil {
 		return err
 	}
-	versions := t.quote(t.name + "_migrations")
-	err = d.migrateTx(ctx, db, t, func(q querier) error {
+	versions := t.Quote(t.Name + "_migrations")
+	err = d.MigrateTx(ctx, db, t, func(q dialect.Querier) error {
 		if _, err := q.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+versions+` (
 	version    integer PRIMARY KEY,
 	name       varchar(200) NOT NULL,
@@ -146,7 +148,7 @@ func autoMigrate(ctx context.Context, db *gorm.DB) error {
 					return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 				}
 			}
-			if _, err := q.ExecContext(ctx, d.bind(`INSERT INTO `+versions+` (version, name, applied_at) VALUES (?, ?, ?)`),
+			if _, err := q.ExecContext(ctx, d.Bind(`INSERT INTO `+versions+` (version, name, applied_at) VALUES (?, ?, ?)`),
 				m.version, m.name, time.Now().UTC().Format(time.RFC3339)); err != nil {
 				return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 			}
@@ -154,7 +156,7 @@ func autoMigrate(ctx context.Context, db *gorm.DB) error {
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("outbox: migrate %s: %w", t.name, err)
+		return fmt.Errorf("outbox: migrate %s: %w", t.Name, err)
 	}
 	return nil
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // parkBlocked keeps the rows that a claim must hold back out of the
@@ -63,7 +65,7 @@ type blocker struct {
 	aggregateType, aggregateID string
 	sequence                   int64
 	state                      string
-	until                      scanTime
+	until                      dialect.Time
 }
 
 // blockers finds the heads that hold back due rows of the aggregates
@@ -72,7 +74,7 @@ type blocker struct {
 // rows of its aggregate come before it in due order (they wait until its
 // time, which puts them behind it).
 func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, error) {
-	res, err := d.pool().QueryContext(ctx, d.st.blockers, d.d.timeArg(now), scanWindow(d.batchSize), d.d.timeArg(now.Add(d.lease)))
+	res, err := d.pool().QueryContext(ctx, d.st.Blockers, d.d.TimeArg(now), scanWindow(d.batchSize), d.d.TimeArg(now.Add(d.lease)))
 	if err != nil {
 		return nil, fmt.Errorf("find blockers: %w", err)
 	}
@@ -94,9 +96,9 @@ func (d *Dispatcher) blockers(ctx context.Context, now time.Time) ([]blocker, er
 // back meanwhile, or a claim taken the head). It returns how many rows it
 // moved.
 func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time) (moved int64, err error) {
-	ts := d.d.timeArg(now)
+	ts := d.d.TimeArg(now)
 	for _, b := range blockers {
-		r, err := d.pool().ExecContext(ctx, d.st.park, d.d.timeArg(b.until.Time), ts,
+		r, err := d.pool().ExecContext(ctx, d.st.Park, d.d.TimeArg(b.until.Time), ts,
 			b.aggregateType, b.aggregateID, b.sequence, b.state)
 		if err != nil {
 			return moved, fmt.Errorf("park %s/%s: %w", b.aggregateType, b.aggregateID, err)
@@ -113,12 +115,12 @@ func (d *Dispatcher) park(ctx context.Context, blockers []blocker, now time.Time
 // lease. Those in retry are among them: events that the dead letter's
 // batch did not attempt, after an earlier attempt of their own. It is an
 // optimisation, so an error is only logged.
-func (d *Dispatcher) unpark(ctx context.Context, aggregates map[aggregateKey]bool, now time.Time) {
-	list := make([]aggregateSeq, 0, len(aggregates))
+func (d *Dispatcher) unpark(ctx context.Context, aggregates map[dialect.Aggregate]bool, now time.Time) {
+	list := make([]dialect.Position, 0, len(aggregates))
 	for k := range aggregates {
-		list = append(list, aggregateSeq{agg: k})
+		list = append(list, dialect.Position{Aggregate: k})
 	}
-	if _, err := d.pool().ExecContext(ctx, d.st.unpark, append([]any{d.d.timeArg(now)}, d.d.eventList(list)...)...); err != nil {
+	if _, err := d.pool().ExecContext(ctx, d.st.Unpark, append([]any{d.d.TimeArg(now)}, d.d.EventList(list)...)...); err != nil {
 		d.log.Warn("outbox: could not release the events parked behind revived dead letters; they follow within a lease", "error", err)
 	}
 }

@@ -90,8 +90,8 @@ func TestParkFindsTheDeadLetterBehindAWindowFullOfRowsWrittenLater(t *testing.T)
 		db, d := parkSetup(t, e, n)
 		// #2 was parked and has just come due; #3 onwards were written
 		// while it was parked, so they come first in the due order.
-		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, d.d.timeArg(time.Now().Add(-time.Hour)))
-		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, d.d.timeArg(time.Now().Add(-time.Second)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 2`, d.d.TimeArg(time.Now().Add(-time.Hour)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 2`, d.d.TimeArg(time.Now().Add(-time.Second)))
 
 		d.parkBlocked(ctx)
 		parked := 0
@@ -140,8 +140,8 @@ func TestParkMovesRowsThatCameDueBeforeTheirHeadBehindIt(t *testing.T) {
 		ctx := context.Background()
 		n := scanWindow(DefaultBatchSize) + 2
 		db, d := parkSetup(t, e, n)
-		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-time.Second)))
-		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
+		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.TimeArg(time.Now().Add(-time.Second)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.TimeArg(time.Now().Add(-time.Hour)))
 
 		if got, err := d.DispatchOnce(ctx); err != nil || got != 0 {
 			t.Fatalf("first dispatch delivered %d, %v; want 0: the head is outside the window", got, err)
@@ -163,8 +163,8 @@ func TestParkMovesRowsThatCameDueBeforeTheirHeadBehindIt(t *testing.T) {
 func TestParkLeavesTheRowsBehindAHeadThatComesFirst(t *testing.T) {
 	forEngines(t, func(t *testing.T, e outboxtest.Engine) {
 		_, d := parkSetup(t, e, 3)
-		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.timeArg(time.Now().Add(-2*time.Hour)))
-		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(time.Now().Add(-time.Hour)))
+		mustExec(t, d.db, `UPDATE outbox_records SET delivery_state = 'retry', next_attempt_at = ? WHERE aggregate_sequence = 1`, d.d.TimeArg(time.Now().Add(-2*time.Hour)))
+		mustExec(t, d.db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.TimeArg(time.Now().Add(-time.Hour)))
 		if blockers, err := d.blockers(context.Background(), time.Now()); err != nil || len(blockers) != 0 {
 			t.Fatalf("blockers = %+v, %v; want none", blockers, err)
 		}
@@ -255,8 +255,8 @@ func TestExpiredLeaseBehindADeepBacklogIsClaimedAgain(t *testing.T) {
 		ctx := context.Background()
 		now := time.Now()
 		mustExec(t, db, `UPDATE outbox_records SET delivery_state = 'delivering', batch_id = 'killed', locked_until = ?, next_attempt_at = ?
-			WHERE aggregate_sequence = 1`, d.d.timeArg(now.Add(-time.Second)), d.d.timeArg(now.Add(-time.Second)))
-		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.timeArg(now.Add(-time.Hour)))
+			WHERE aggregate_sequence = 1`, d.d.TimeArg(now.Add(-time.Second)), d.d.TimeArg(now.Add(-time.Second)))
+		mustExec(t, db, `UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence > 1`, d.d.TimeArg(now.Add(-time.Hour)))
 		var state string
 		for range 3 {
 			if _, err := d.Dispatch(ctx); err != nil {

@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // DefaultTable is the name of the outbox table unless [WithTable] says
@@ -47,7 +49,7 @@ const pluginName = "outbox"
 //
 // An OutboxPlugin is safe for concurrent use.
 type OutboxPlugin struct {
-	tables tables
+	tables dialect.Tables
 	notify bool
 	err    error // an invalid option, reported by Initialize
 
@@ -79,7 +81,7 @@ func WithTable(name string) Option {
 		if err := validateTable(name); err != nil {
 			return err
 		}
-		p.tables = tablesFor(name)
+		p.tables = dialect.TablesFor(name)
 		return nil
 	}
 }
@@ -115,10 +117,11 @@ func validateTable(name string) error {
 
 // Plugin returns the outbox plugin, to be registered with db.Use. An
 // invalid option makes db.Use fail with an error wrapping
-// [ErrInvalidOption]; so does an engine other than PostgreSQL or SQLite.
+// [ErrInvalidOption]; so does an engine other than PostgreSQL, MySQL
+// (MariaDB) or SQLite.
 func Plugin(opts ...Option) *OutboxPlugin {
 	p := &OutboxPlugin{
-		tables:   tablesFor(DefaultTable),
+		tables:   dialect.TablesFor(DefaultTable),
 		notify:   true,
 		emitters: make(map[reflect.Type]func(any, Op) ([]Event, error)),
 		wakers:   make(map[*func()]struct{}),
@@ -142,14 +145,14 @@ func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
 	if p.err != nil {
 		return p.err
 	}
-	if _, err := dialectOf(db); err != nil {
-		return err
+	if _, err := dialect.For(db); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidOption, err)
 	}
 	return p.registerCallbacks(db)
 }
 
 // Table returns the name of the outbox table the plugin writes to.
-func (p *OutboxPlugin) Table() string { return p.tables.name }
+func (p *OutboxPlugin) Table() string { return p.tables.Name }
 
 // RegisterEmitter attaches events to a model type T that cannot implement
 // [Emitter] itself, for example a type from another package. After every
@@ -225,4 +228,30 @@ func pluginOf(db *gorm.DB) (*OutboxPlugin, error) {
 		}
 	}
 	return nil, ErrPluginNotRegistered
+}
+
+// The write path and the delivery path share two things besides the
+// table: its name, and the in-process wake-up that the plugin gives after
+// a write. The plugin registered on a *gorm.DB offers both through these
+// interfaces, so that a dispatcher needs nothing else of it.
+type (
+	tableNamer interface{ Table() string }
+	waker      interface {
+		addWaker(wake func()) (remove func())
+	}
+)
+
+// tableNameOf returns the table name of the outbox plugin registered on
+// db, or DefaultTable when there is none.
+func tableNameOf(db *gorm.DB) string {
+	if p, ok := db.Config.Plugins[pluginName].(tableNamer); ok {
+		return p.Table()
+	}
+	return DefaultTable
+}
+
+// wakerOf returns the in-process wake-up of the plugin registered on db.
+func wakerOf(db *gorm.DB) (waker, bool) {
+	w, ok := db.Config.Plugins[pluginName].(waker)
+	return w, ok
 }

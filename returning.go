@@ -11,6 +11,8 @@ import (
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 	"gorm.io/gorm/schema"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // What the database did. Events are built from the rows a write actually
@@ -81,7 +83,7 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 		if db.Error != nil || stmt.SQL.Len() == 0 {
 			return // GORM refused the statement, or it has nothing to write
 		}
-		d, err := dialectOf(db)
+		d, err := dialect.For(db)
 		if err != nil {
 			_ = db.AddError(err)
 			return
@@ -96,7 +98,7 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 }
 
 // run executes stmt's SQL with the plugin's RETURNING columns.
-func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
+func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, error) {
 	stmt := db.Statement
 	r := &returned{op: op}
 	for _, f := range stmt.Schema.Fields {
@@ -110,7 +112,7 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 	if op == OpDelete && strings.HasPrefix(strings.TrimSpace(stmt.SQL.String()), "UPDATE") {
 		kind = OpUpdate
 	}
-	if !d.returnsRows(kind == OpUpdate) {
+	if !d.ReturnsRows(kind == OpUpdate) {
 		if (kind == OpUpdate || kind == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
 			return r, p.lockAndRead(db, r, kind)
 		}
@@ -136,7 +138,7 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect, op Op) (*returned, error) {
 			return nil, err
 		}
 		if r.upsert && r.keys == nil {
-			extra.WriteString(", " + d.insertedColumn())
+			extra.WriteString(", " + d.InsertedColumn())
 		}
 	}
 
@@ -385,7 +387,7 @@ func upsertClause(stmt *gorm.Statement) (clause.OnConflict, bool) {
 // how the plugin will tell the rows it inserts from those it updates:
 // from the engine's inserted flag, or, where the engine has none, by
 // reading which of the statement's conflict keys exist before it runs.
-func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error {
+func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned) error {
 	stmt := db.Statement
 	oc, ok := upsertClause(stmt)
 	if !ok || oc.DoNothing || (len(oc.DoUpdates) == 0 && !oc.UpdateAll) {
@@ -393,16 +395,16 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 	}
 	r.upsert = true
 	r.unchanged = !oc.UpdateAll && selfAssigned(oc.DoUpdates)
-	if d.insertedColumn() != "" {
+	if d.InsertedColumn() != "" {
 		return nil
 	}
 	refuse := func(why string) error {
 		return fmt.Errorf("%w: upsert of %s on %s: %s; write the rows one by one, or run the statement through outbox.WithoutEvents and record events with outbox.Publish",
 			ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), why)
 	}
-	kr := d.keyReads()
+	kr := d.KeyReads()
 	columns := oc.Columns
-	if len(columns) == 0 && oc.OnConstraint == "" && kr.primaryKey {
+	if len(columns) == 0 && oc.OnConstraint == "" && kr.PrimaryKey {
 		for _, f := range stmt.Schema.PrimaryFields {
 			columns = append(columns, clause.Column{Name: f.DBName})
 		}
@@ -422,8 +424,8 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 		return refuse("the rows are not model values")
 	}
 	conn := plainConn(stmt.ConnPool)
-	if kr.uniqueKeys != nil {
-		unique, err := kr.uniqueKeys(stmt.Context, conn, stmt.Table)
+	if kr.UniqueKeys != nil {
+		unique, err := kr.UniqueKeys(stmt.Context, conn, stmt.Table)
 		if err != nil {
 			return fmt.Errorf("outbox: upsert of %s: %w", stmt.Schema.Name, err)
 		}
@@ -439,7 +441,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect, r *returned) error 
 			}
 		}
 	}
-	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.bind, kr.lock, kr.rowList)
+	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.Bind, kr.Lock, kr.RowList)
 	if err != nil {
 		return fmt.Errorf("outbox: upsert of %s: read the existing rows: %w", stmt.Schema.Name, err)
 	}

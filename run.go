@@ -4,10 +4,9 @@ import (
 	"context"
 	"errors"
 	"time"
-)
 
-// errNoListen says that the engine or driver cannot deliver notifications.
-var errNoListen = errors.New("outbox: notifications not supported here")
+	"github.com/gorm-outbox/outbox/internal/dialect"
+)
 
 // WithListen sets whether [Dispatcher.Run] listens for the notifications
 // that writes send when they commit (see [WithNotify]) and
@@ -111,12 +110,12 @@ func (d *Dispatcher) listenLoop(ctx context.Context) {
 	backoff := first
 	for ctx.Err() == nil {
 		started := time.Now()
-		err := d.d.listen(ctx, d.db, d.t, d.Notify)
+		err := d.d.Listen(ctx, d.db, d.t, d.Notify)
 		if ctx.Err() != nil {
 			return
 		}
-		if errors.Is(err, errNoListen) {
-			if err != errNoListen {
+		if errors.Is(err, dialect.ErrNoListen) {
+			if err != dialect.ErrNoListen {
 				d.log.Warn("outbox: not listening for notifications; polling, and woken by writes of this process", "error", err)
 			}
 			d.wakeInProcess(ctx)

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // settle records the outcome of a published batch. Rows with the same
@@ -125,15 +127,15 @@ const (
 // rows count their attempt in SQL, so that a batch accepted whole is one
 // statement.
 func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKey, ids []int64, now time.Time) (int, error) {
-	ts := d.d.timeArg(now)
+	ts := d.d.TimeArg(now)
 	var (
 		res sql.Result
 		err error
 	)
 	// A settle runs again after a deadlock or lock wait timeout (MySQL).
-	err = retryLocks(ctx, d.d, func() (err error) {
+	err = dialect.RetryLocks(ctx, d.d, func() (err error) {
 		if k.state == StateDelivered {
-			res, err = d.pool().ExecContext(ctx, d.st.settleDelivered, ts, batchID, d.d.idList(ids))
+			res, err = d.pool().ExecContext(ctx, d.st.SettleDelivered, ts, batchID, d.d.IDList(ids))
 			return err
 		}
 		var lastErr, kind any // NULL keeps the last failure's reason (not attempted)
@@ -143,8 +145,8 @@ func (d *Dispatcher) settleGroup(ctx context.Context, batchID string, k settleKe
 		if k.kind != "" {
 			kind = k.kind
 		}
-		res, err = d.pool().ExecContext(ctx, d.st.settleOther, k.state, k.attempts, d.d.timeArg(k.next),
-			lastErr, kind, ts, batchID, d.d.idList(ids))
+		res, err = d.pool().ExecContext(ctx, d.st.SettleOther, k.state, k.attempts, d.d.TimeArg(k.next),
+			lastErr, kind, ts, batchID, d.d.IDList(ids))
 		return err
 	})
 	if err != nil {
@@ -194,14 +196,14 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 	held := unreadable(rows)
 	var partial *PartialError
 	isPartial := errors.As(pubErr, &partial)
-	failedAggregates := map[aggregateKey]bool{}
+	failedAggregates := map[dialect.Aggregate]bool{}
 	for i, r := range rows {
-		agg := aggregateKey{r.msg.AggregateType, r.msg.AggregateID}
+		agg := dialect.Aggregate{Type: r.msg.AggregateType, ID: r.msg.AggregateID}
 		switch {
 		case r.bad != nil:
 			out[i] = r.bad
 			d.log.Error("outbox: event cannot be read into a message; dead-lettering it",
-				"event_id", r.msg.EventID, "aggregate_type", agg.typ, "aggregate_id", agg.id, "sequence", r.msg.Sequence, "error", r.bad)
+				"event_id", r.msg.EventID, "aggregate_type", agg.Type, "aggregate_id", agg.ID, "sequence", r.msg.Sequence, "error", r.bad)
 		case held.withholds(r):
 			out[i] = errBehindUnreadable
 		case pubErr == nil:
@@ -216,7 +218,7 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 				// after the failed one instead.
 				out[i] = errAcceptedOutOfOrder
 				d.log.Error("outbox: publisher accepted a message after a failed one of the same aggregate; per-aggregate order is broken downstream, and the message will be delivered again after the failed one",
-					"event_id", r.msg.EventID, "aggregate_type", agg.typ, "aggregate_id", agg.id, "sequence", r.msg.Sequence)
+					"event_id", r.msg.EventID, "aggregate_type", agg.Type, "aggregate_id", agg.ID, "sequence", r.msg.Sequence)
 			}
 		default:
 			out[i] = pubErr

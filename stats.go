@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"fmt"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // Stats counts the outbox rows by delivery state, for health checks,
@@ -28,7 +30,7 @@ func (s Stats) Undelivered() int64 { return s.Pending + s.Delivering + s.Retry +
 // (outboxprom caches it between scrapes), not on a hot path.
 func (d *Dispatcher) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
-	rows, err := d.pool().QueryContext(ctx, d.st.counts)
+	rows, err := d.pool().QueryContext(ctx, d.st.Counts)
 	if err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", err)
 	}
@@ -57,14 +59,14 @@ func (d *Dispatcher) Stats(ctx context.Context) (Stats, error) {
 	if err := rows.Err(); err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", err)
 	}
-	var oldest scanTime
-	if err := d.pool().QueryRowContext(ctx, d.st.oldestDue, d.d.timeArg(time.Now())).Scan(&oldest); err != nil {
+	var oldest dialect.Time
+	if err := d.pool().QueryRowContext(ctx, d.st.OldestDue, d.d.TimeArg(time.Now())).Scan(&oldest); err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", err)
 	}
 	s.OldestDue = oldest.Time
 	if s.Failed > 0 {
 		var last sql.NullString
-		if err := d.pool().QueryRowContext(ctx, d.st.lastFailure).Scan(&last); err != nil {
+		if err := d.pool().QueryRowContext(ctx, d.st.LastFailure).Scan(&last); err != nil {
 			return s, fmt.Errorf("outbox: stats: %w", err)
 		}
 		s.LastFailure = last.String

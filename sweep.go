@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"fmt"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // DefaultMaxRevivals is how many times the retry_failed sweep revives one
@@ -59,7 +61,7 @@ func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
 		return 0, nil
 	}
 	now := time.Now()
-	n, err := d.revive(ctx, now, d.st.revive, d.d.timeArg(now), d.maxRevivals, d.sweepLimit)
+	n, err := d.revive(ctx, now, d.st.Revive, d.d.TimeArg(now), d.maxRevivals, d.sweepLimit)
 	if err != nil {
 		return n, fmt.Errorf("outbox: retry failed: %w", err)
 	}
@@ -81,7 +83,7 @@ func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) 
 	}
 	var before any
 	if !f.FailedBefore.IsZero() {
-		before = d.d.timeArg(f.FailedBefore)
+		before = d.d.TimeArg(f.FailedBefore)
 	}
 	var ids, types []string
 	if len(f.EventIDs) > 0 {
@@ -91,7 +93,7 @@ func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) 
 		types = f.EventTypes
 	}
 	now := time.Now()
-	n, err := d.revive(ctx, now, d.st.requeue, d.d.timeArg(now), limit, before, d.d.textList(ids), d.d.textList(types))
+	n, err := d.revive(ctx, now, d.st.Requeue, d.d.TimeArg(now), limit, before, d.d.TextList(ids), d.d.TextList(types))
 	if err != nil {
 		return n, fmt.Errorf("outbox: requeue: %w", err)
 	}
@@ -106,19 +108,19 @@ func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) 
 func (d *Dispatcher) revive(ctx context.Context, now time.Time, query string, args ...any) (int, error) {
 	var (
 		n       int
-		revived map[aggregateKey]bool
+		revived map[dialect.Aggregate]bool
 	)
 	// In the claim's transaction: on MySQL the statement is a list.
-	err := d.d.claimTx(ctx, d.db, func(q querier) error {
-		n, revived = 0, map[aggregateKey]bool{}
+	err := d.d.ClaimTx(ctx, d.db, func(q dialect.Querier) error {
+		n, revived = 0, map[dialect.Aggregate]bool{}
 		res, err := q.QueryContext(ctx, query, args...)
 		if err != nil {
 			return err
 		}
 		defer res.Close()
 		for res.Next() {
-			var k aggregateKey
-			if err := res.Scan(&k.typ, &k.id); err != nil {
+			var k dialect.Aggregate
+			if err := res.Scan(&k.Type, &k.ID); err != nil {
 				return err
 			}
 			revived[k] = true
@@ -143,11 +145,11 @@ func (d *Dispatcher) revive(ctx context.Context, now time.Time, query string, ar
 // after cleanup. A deleted row's idempotency key is free again. It returns
 // how many rows it deleted.
 func (d *Dispatcher) Cleanup(ctx context.Context) (int, error) {
-	cutoff := d.d.timeArg(time.Now().Add(-d.retention))
+	cutoff := d.d.TimeArg(time.Now().Add(-d.retention))
 	total := 0
 	for {
 		var res sql.Result
-		res, err := d.pool().ExecContext(ctx, d.st.cleanup, cutoff, d.sweepLimit)
+		res, err := d.pool().ExecContext(ctx, d.st.Cleanup, cutoff, d.sweepLimit)
 		if err != nil {
 			return total, fmt.Errorf("outbox: cleanup: %w", err)
 		}

@@ -2,11 +2,12 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
 	"sync"
 	"time"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // Wake-ups. A dispatcher polls, but it also learns at once that events were
@@ -103,11 +104,11 @@ func (p *OutboxPlugin) notifierFor(db *gorm.DB) *notifier {
 	if !p.notify {
 		return nil
 	}
-	d, err := dialectOf(db)
+	d, err := dialect.For(db)
 	if err != nil {
 		return nil
 	}
-	cn, ok := d.(commitNotifier)
+	cn, ok := d.(dialect.Notifier)
 	if !ok {
 		return nil
 	}
@@ -126,7 +127,7 @@ func (p *OutboxPlugin) notifierFor(db *gorm.DB) *notifier {
 	if n = p.notifiers[pool]; n == nil {
 		t := p.tables
 		n = &notifier{
-			send: func(ctx context.Context) error { return cn.notifyCommitted(ctx, pool, t) },
+			send: func(ctx context.Context) error { return cn.NotifyCommitted(ctx, pool, t) },
 			gap:  notifyGap,
 		}
 		p.notifiers[pool] = n
@@ -195,12 +196,4 @@ func (n *notifier) loop() {
 		_ = n.send(ctx) // see notifyTimeout
 		cancel()
 	}
-}
-
-// commitNotifier is a dialect whose engine can tell listeners, from any
-// connection, that events were committed. PostgreSQL is one.
-type commitNotifier interface {
-	// notifyCommitted sends one notification on t's channel through pool,
-	// in a transaction of its own.
-	notifyCommitted(ctx context.Context, pool *sql.DB, t tables) error
 }

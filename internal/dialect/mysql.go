@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
@@ -25,7 +25,7 @@ import (
 // found through (aggregate_type, undelivered_id, aggregate_sequence).
 //
 // Placeholders. MySQL's are bare ? marks, taken in the order of the text,
-// each once. The statements of a claim's transaction (claimTx) are bound
+// each once. The statements of a claim's transaction (ClaimTx) are bound
 // by mysqlTx, which also takes numbered ones (?1, ?2, ...) as SQLite does,
 // so that an argument serves twice or out of order. The others run on the
 // pool as they are: they read their arguments first, in the order given,
@@ -43,35 +43,35 @@ import (
 // the rows. Revive and requeue lock their rows and keep their ids in the
 // session variable @outbox_ids from one statement to the next.
 
-func (mysqlDialect) name() string { return "mysql" }
+func (mysqlDialect) Name() string { return "mysql" }
 
-func (mysqlDialect) tables(name string) tables {
-	return tables{name: name, records: mysqlQuote(name), sequences: mysqlQuote(name + "_sequences"), quote: mysqlQuote}
+func (mysqlDialect) Tables(name string) Tables {
+	return Tables{Name: name, Records: mysqlQuote(name), Sequences: mysqlQuote(name + "_sequences"), Quote: mysqlQuote}
 }
 
 func mysqlQuote(ident string) string { return "`" + strings.ReplaceAll(ident, "`", "``") + "`" }
 
-func (mysqlDialect) bind(query string) string { return query }
+func (mysqlDialect) Bind(query string) string { return query }
 
-// readTime: the driver reads a DATETIME column as a time.Time (parseTime).
+// ReadTime: the driver reads a DATETIME column as a time.Time (parseTime).
 // The one value that is no time, the zero date, which MariaDB's default
 // sql_mode lets a hand-written row hold, it reads as the zero time, and
-// scanTime refuses that.
-func (mysqlDialect) readTime(column string) string { return column }
+// Time refuses that.
+func (mysqlDialect) ReadTime(column string) string { return column }
 
-func (mysqlDialect) idList(ids []int64) any { return mysqlJSON(ids) }
+func (mysqlDialect) IDList(ids []int64) any { return mysqlJSON(ids) }
 
-func (mysqlDialect) textList(s []string) any {
+func (mysqlDialect) TextList(s []string) any {
 	if s == nil {
 		return nil
 	}
 	return mysqlJSON(s)
 }
 
-func (mysqlDialect) eventList(events []aggregateSeq) []any {
+func (mysqlDialect) EventList(events []Position) []any {
 	list := make([][3]any, len(events))
 	for i, e := range events {
-		list[i] = [3]any{e.agg.typ, e.agg.id, e.seq}
+		list[i] = [3]any{e.Aggregate.Type, e.Aggregate.ID, e.Seq}
 	}
 	return []any{mysqlJSON(list)}
 }
@@ -99,16 +99,16 @@ const mysqlNoLimit = `18446744073709551615`
 // mysqlThen separates the statements of a statement list (mysqlTx).
 const mysqlThen = "\n;\n"
 
-func (mysqlDialect) statements(t tables) statements {
-	r := t.records
-	return statements{
+func (mysqlDialect) Statements(t Tables) Statements {
+	r := t.Records
+	return Statements{
 		// The claim's transaction: numbered placeholders (mysqlTx).
-		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+		Window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
 WHERE due_at <= ?1
 ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,
-		windowShard: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+		WindowShard: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
 WHERE due_at <= ?1 AND (CRC32(CONCAT(aggregate_type, '/', aggregate_id)) & 7) = ?3
 ORDER BY due_at, id
 LIMIT ?2
@@ -120,7 +120,7 @@ FOR UPDATE SKIP LOCKED`,
 		// then one of the narrow rows (i, state) it holds, not of
 		// JSON_TABLE's rows with their VARBINARY(1020) columns, which
 		// MariaDB sorts by position and reads back.
-		undelivered: `SELECT s.state FROM (
+		Undelivered: `SELECT s.state FROM (
 	SELECT u.i, CASE
 		WHEN p.id IS NULL THEN NULL
 		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
@@ -135,14 +135,14 @@ FOR UPDATE SKIP LOCKED`,
 ) s
 ORDER BY s.i`,
 
-		lease: `UPDATE ` + r + ` x JOIN JSON_TABLE(?4, ` + mysqlIDs + `) j ON x.id = j.id
+		Lease: `UPDATE ` + r + ` x JOIN JSON_TABLE(?4, ` + mysqlIDs + `) j ON x.id = j.id
 SET x.delivery_state = 'delivering', x.batch_id = ?1, x.locked_until = ?2, x.next_attempt_at = ?2, x.updated_at = ?3` + mysqlThen +
 			`SELECT x.id, x.event_id, x.event_type, x.aggregate_type, x.aggregate_id, x.aggregate_sequence,
 	x.idempotency_key, x.payload, x.headers, x.occurred_at, x.delivery_attempts
 FROM JSON_TABLE(?4, ` + mysqlIDs + `) j
 JOIN ` + r + ` x ON x.id = j.id AND x.batch_id = ?1`,
 
-		revive: `SELECT JSON_ARRAYAGG(s.id) INTO @outbox_ids FROM (
+		Revive: `SELECT JSON_ARRAYAGG(s.id) INTO @outbox_ids FROM (
 	SELECT id FROM ` + r + `
 	WHERE failed_at IS NOT NULL AND failure_kind = 'exhausted' AND revivals < ?2
 	ORDER BY failed_at, id
@@ -150,7 +150,7 @@ JOIN ` + r + ` x ON x.id = j.id AND x.batch_id = ?1`,
 	FOR UPDATE SKIP LOCKED
 ) s` + mysqlThen + mysqlMoveBack(r, "x.revivals + 1") + mysqlThen + mysqlMoved(r),
 
-		requeue: `SELECT JSON_ARRAYAGG(s.id) INTO @outbox_ids FROM (
+		Requeue: `SELECT JSON_ARRAYAGG(s.id) INTO @outbox_ids FROM (
 	SELECT id FROM ` + r + `
 	WHERE failed_at IS NOT NULL
 		AND (?3 IS NULL OR updated_at < ?3)
@@ -164,14 +164,14 @@ JOIN ` + r + ` x ON x.id = j.id AND x.batch_id = ?1`,
 		// On the pool: the arguments in p, in order, but for the list of
 		// ids, the last, which JSON_TABLE reads from its own placeholder:
 		// read from a column of p, it made the settle slower.
-		settleDelivered: `UPDATE ` + r + ` x
+		SettleDelivered: `UPDATE ` + r + ` x
 JOIN (SELECT ` + mysqlTime + ` AS at, ? AS batch) p
 JOIN JSON_TABLE(?, ` + mysqlIDs + `) j ON x.id = j.id
 SET x.delivery_state = 'delivered', x.delivery_attempts = x.delivery_attempts + 1, x.next_attempt_at = p.at,
 	x.last_error = NULL, x.failure_kind = NULL, x.locked_until = NULL, x.delivered_at = p.at, x.updated_at = p.at
 WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
 
-		settleOther: `UPDATE ` + r + ` x
+		SettleOther: `UPDATE ` + r + ` x
 JOIN (SELECT CAST(? AS CHAR(16)) AS state, CAST(? AS SIGNED) AS attempts, ` + mysqlTime + ` AS next_at,
 	CAST(? AS CHAR) AS last_error, CAST(? AS CHAR(16)) AS kind, ` + mysqlTime + ` AS at, ? AS batch) p
 JOIN JSON_TABLE(?, ` + mysqlIDs + `) j ON x.id = j.id
@@ -184,7 +184,7 @@ WHERE x.batch_id = p.batch AND x.delivery_state = 'delivering'`,
 		// the aggregate's first undelivered row (ORDER BY ... LIMIT 1 reads
 		// one index entry, where MariaDB's min of a correlated subquery
 		// reads them all), then the head itself.
-		blockers: `SELECT g.bt, g.ba, g.hs, g.state, CASE WHEN g.state = 'failed' THEN q.lease_end ELSE g.next_at END
+		Blockers: `SELECT g.bt, g.ba, g.hs, g.state, CASE WHEN g.state = 'failed' THEN q.lease_end ELSE g.next_at END
 FROM (
 	SELECT m.bt, m.ba, m.hs, h.next_attempt_at AS next_at, CASE
 			WHEN h.delivery_state = 'failed' THEN 'failed'
@@ -213,7 +213,7 @@ FROM (
 JOIN (SELECT ` + mysqlTime + ` AS lease_end) q
 WHERE g.state IS NOT NULL`,
 
-		park: `UPDATE ` + r + ` x
+		Park: `UPDATE ` + r + ` x
 JOIN (SELECT ` + mysqlTime + ` AS until_at, ` + mysqlTime + ` AS at, CAST(? AS BINARY) AS typ, CAST(? AS BINARY) AS agg,
 	CAST(? AS SIGNED) AS seq, CAST(? AS CHAR(16)) AS state) p
 	ON x.aggregate_type = p.typ AND x.undelivered_id = p.agg AND x.aggregate_sequence > p.seq
@@ -222,21 +222,21 @@ JOIN ` + r + ` h ON h.aggregate_type = p.typ AND h.undelivered_id = p.agg AND h.
 SET x.next_attempt_at = p.until_at, x.updated_at = p.at
 WHERE x.delivery_state IN ('pending', 'retry') AND x.next_attempt_at < p.until_at`,
 
-		unpark: `UPDATE ` + r + ` x
+		Unpark: `UPDATE ` + r + ` x
 JOIN (SELECT ` + mysqlTime + ` AS at, ? AS events) p
 JOIN JSON_TABLE(p.events, ` + mysqlEvents + `) u ON x.aggregate_type = u.typ AND x.undelivered_id = u.agg
 SET x.next_attempt_at = p.at, x.updated_at = p.at
 WHERE x.delivery_state IN ('pending', 'retry') AND x.next_attempt_at > p.at`,
 
 		// A single-table DELETE takes ORDER BY and LIMIT.
-		cleanup: `DELETE FROM ` + r + ` WHERE delivered_at < ` + mysqlTime + ` AND delivery_state = 'delivered'
+		Cleanup: `DELETE FROM ` + r + ` WHERE delivered_at < ` + mysqlTime + ` AND delivery_state = 'delivered'
 ORDER BY delivered_at
 LIMIT ?`,
 
-		counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
-		oldestDue: `SELECT min(x.next_attempt_at) FROM (SELECT ` + mysqlTime + ` AS at) p
+		Counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
+		OldestDue: `SELECT min(x.next_attempt_at) FROM (SELECT ` + mysqlTime + ` AS at) p
 JOIN ` + r + ` x ON x.due_at <= p.at`,
-		lastFailure: `SELECT last_error FROM ` + r + ` WHERE failed_at IS NOT NULL ORDER BY failed_at DESC, id DESC LIMIT 1`,
+		LastFailure: `SELECT last_error FROM ` + r + ` WHERE failed_at IS NOT NULL ORDER BY failed_at DESC, id DESC LIMIT 1`,
 	}
 }
 
@@ -257,9 +257,9 @@ JOIN ` + r + ` x ON x.id = j.id
 WHERE x.delivery_state = 'pending' AND x.updated_at = ?1`
 }
 
-// claimTx runs fn in a READ COMMITTED transaction (readCommittedTx), again
+// ClaimTx runs fn in a READ COMMITTED transaction (readCommittedTx), again
 // after a deadlock or a lock wait timeout, on mysqlTx.
-func (mysqlDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
+func (mysqlDialect) ClaimTx(ctx context.Context, db *gorm.DB, fn func(q Querier) error) error {
 	return readCommittedTx(ctx, db, func(tx *sql.Tx) error { return fn(mysqlTx{tx}) })
 }
 
@@ -328,19 +328,19 @@ func bindMySQL(stmt string, args []any) (string, []any) {
 	return b.String(), bound
 }
 
-func (mysqlDialect) checkPool(db *gorm.DB) error { return mysqlCheckPool(db) }
+func (mysqlDialect) CheckPool(db *gorm.DB) error { return mysqlCheckPool(db) }
 
-// listen: MySQL has no notifications; the in-process nudge and the poll
+// Listen: MySQL has no notifications; the in-process nudge and the poll
 // wake dispatchers.
-func (mysqlDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
+func (mysqlDialect) Listen(context.Context, *gorm.DB, Tables, func()) error { return ErrNoListen }
 
-// migrateTx: MySQL commits each DDL statement on its own, so a migration
+// MigrateTx: MySQL commits each DDL statement on its own, so a migration
 // is no transaction; each of ours is written to be run again after a
 // failure (CREATE TABLE IF NOT EXISTS, a table and its indexes in one
 // statement). Concurrent migrations queue on a named lock (GET_LOCK) that
 // the connection running them holds; its name holds the database's and
 // the table's, hashed into its 64 characters.
-func (mysqlDialect) migrateTx(ctx context.Context, db *gorm.DB, t tables, fn func(q querier) error) error {
+func (mysqlDialect) MigrateTx(ctx context.Context, db *gorm.DB, t Tables, fn func(q Querier) error) error {
 	sqlDB, err := db.DB()
 	if err != nil {
 		return err
@@ -352,13 +352,13 @@ func (mysqlDialect) migrateTx(ctx context.Context, db *gorm.DB, t tables, fn fun
 	defer conn.Close()
 	const lock = `CONCAT('gorm-outbox:', SHA1(CONCAT(DATABASE(), '.', ?)))`
 	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, `SELECT GET_LOCK(`+lock+`, ?)`, t.name, int(migrateLockWait.Seconds())).Scan(&got); err != nil {
+	if err := conn.QueryRowContext(ctx, `SELECT GET_LOCK(`+lock+`, ?)`, t.Name, int(migrateLockWait.Seconds())).Scan(&got); err != nil {
 		return err
 	}
 	if got.Int64 != 1 {
-		return fmt.Errorf("another migration of %s held its lock for %v", t.name, migrateLockWait)
+		return fmt.Errorf("another migration of %s held its lock for %v", t.Name, migrateLockWait)
 	}
-	defer conn.ExecContext(context.WithoutCancel(ctx), `DO RELEASE_LOCK(`+lock+`)`, t.name)
+	defer conn.ExecContext(context.WithoutCancel(ctx), `DO RELEASE_LOCK(`+lock+`)`, t.Name)
 	return fn(conn)
 }
 

@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
@@ -24,31 +24,31 @@ type sqliteDialect struct{}
 // always UTC, so that text comparison is time comparison.
 const sqliteTime = "2006-01-02 15:04:05.000000000+00:00"
 
-func (sqliteDialect) name() string { return "sqlite" }
+func (sqliteDialect) Name() string { return "sqlite" }
 
-func (sqliteDialect) tables(name string) tables { return tablesFor(name) }
+func (sqliteDialect) Tables(name string) Tables { return TablesFor(name) }
 
-func (sqliteDialect) bind(query string) string { return query }
+func (sqliteDialect) Bind(query string) string { return query }
 
-func (sqliteDialect) timeArg(t time.Time) any { return t.UTC().Format(sqliteTime) }
+func (sqliteDialect) TimeArg(t time.Time) any { return t.UTC().Format(sqliteTime) }
 
-// readTime returns the stored text: mattn/go-sqlite3 reads a DATETIME
+// ReadTime returns the stored text: mattn/go-sqlite3 reads a DATETIME
 // column's text that it cannot parse as the zero time, without an error.
-func (sqliteDialect) readTime(column string) string { return "CAST(" + column + " AS TEXT)" }
+func (sqliteDialect) ReadTime(column string) string { return "CAST(" + column + " AS TEXT)" }
 
-func (sqliteDialect) idList(ids []int64) any { return jsonText(ids) }
+func (sqliteDialect) IDList(ids []int64) any { return jsonText(ids) }
 
-func (sqliteDialect) textList(s []string) any {
+func (sqliteDialect) TextList(s []string) any {
 	if s == nil {
 		return nil
 	}
 	return jsonText(s)
 }
 
-func (sqliteDialect) eventList(events []aggregateSeq) []any {
+func (sqliteDialect) EventList(events []Position) []any {
 	list := make([][3]any, len(events))
 	for i, e := range events {
-		list[i] = [3]any{e.agg.typ, e.agg.id, e.seq}
+		list[i] = [3]any{e.Aggregate.Type, e.Aggregate.ID, e.Seq}
 	}
 	return []any{jsonText(list)}
 }
@@ -61,18 +61,18 @@ func jsonText(v any) string {
 	return string(b)
 }
 
-// statements. Placeholders are numbered (?1, ?2, ...) so that an argument
-// serves twice. Nothing locks rows: claimTx holds the database.
-func (d sqliteDialect) statements(t tables) statements {
-	r := t.records
-	return statements{
-		window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
+// Statements. Placeholders are numbered (?1, ?2, ...) so that an argument
+// serves twice. Nothing locks rows: ClaimTx holds the database.
+func (d sqliteDialect) Statements(t Tables) Statements {
+	r := t.Records
+	return Statements{
+		Window: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
 	AND (locked_until IS NULL OR locked_until <= ?1)
 ORDER BY next_attempt_at, id
 LIMIT ?2`,
 
-		undelivered: `SELECT (
+		Undelivered: `SELECT (
 	SELECT CASE
 		WHEN p.delivery_state = 'delivering' AND p.locked_until > ?1 THEN 'flight'
 		WHEN p.delivery_state IN ('pending', 'retry') AND p.next_attempt_at <= ?1 AND p.next_attempt_at <= (
@@ -86,23 +86,23 @@ LIMIT ?2`,
 FROM json_each(?2) AS u
 ORDER BY u.key`,
 
-		lease: `UPDATE ` + r + ` SET
+		Lease: `UPDATE ` + r + ` SET
 	delivery_state = 'delivering', batch_id = ?1, locked_until = ?2, next_attempt_at = ?2, updated_at = ?3
 WHERE id IN (SELECT value FROM json_each(?4))
 RETURNING id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
 	idempotency_key, payload, headers, CAST(occurred_at AS TEXT), delivery_attempts`,
 
-		settleDelivered: `UPDATE ` + r + ` SET
+		SettleDelivered: `UPDATE ` + r + ` SET
 	delivery_state = 'delivered', delivery_attempts = delivery_attempts + 1, next_attempt_at = ?1,
 	last_error = NULL, failure_kind = NULL, locked_until = NULL, delivered_at = ?1, updated_at = ?1
 WHERE id IN (SELECT value FROM json_each(?3)) AND batch_id = ?2 AND delivery_state = 'delivering'`,
 
-		settleOther: `UPDATE ` + r + ` SET
+		SettleOther: `UPDATE ` + r + ` SET
 	delivery_state = ?1, delivery_attempts = ?2, next_attempt_at = ?3,
 	last_error = coalesce(?4, last_error), failure_kind = ?5, locked_until = NULL, updated_at = ?6
 WHERE id IN (SELECT value FROM json_each(?8)) AND batch_id = ?7 AND delivery_state = 'delivering'`,
 
-		blockers: `WITH seen AS MATERIALIZED (
+		Blockers: `WITH seen AS MATERIALIZED (
 	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.next_attempt_at) AS fn FROM (
 		SELECT aggregate_type, aggregate_id, aggregate_sequence, next_attempt_at FROM ` + r + `
 		WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
@@ -130,19 +130,19 @@ SELECT bt, ba, hs, state, CASE WHEN state = 'failed' THEN ?3 ELSE (SELECT CAST(h
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs) END
 FROM waits WHERE state IS NOT NULL`,
 
-		park: `UPDATE ` + r + ` SET next_attempt_at = ?1, updated_at = ?2
+		Park: `UPDATE ` + r + ` SET next_attempt_at = ?1, updated_at = ?2
 WHERE aggregate_type = ?3 AND aggregate_id = ?4 AND aggregate_sequence > ?5
 	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < ?1
 	AND EXISTS (SELECT 1 FROM ` + r + ` h
 		WHERE h.aggregate_type = ?3 AND h.aggregate_id = ?4 AND h.aggregate_sequence = ?5
 			AND h.delivery_state = ?6)`,
 
-		unpark: `UPDATE ` + r + ` SET next_attempt_at = ?1, updated_at = ?1
+		Unpark: `UPDATE ` + r + ` SET next_attempt_at = ?1, updated_at = ?1
 WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > ?1
 	AND (aggregate_type, aggregate_id) IN (
 		SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?2))`,
 
-		revive: `UPDATE ` + r + ` SET
+		Revive: `UPDATE ` + r + ` SET
 	delivery_state = 'pending', delivery_attempts = 0, revivals = revivals + 1, failure_kind = NULL,
 	next_attempt_at = ?1, updated_at = ?1, locked_until = NULL, batch_id = NULL
 WHERE id IN (
@@ -153,7 +153,7 @@ WHERE id IN (
 )
 RETURNING aggregate_type, aggregate_id`,
 
-		requeue: `UPDATE ` + r + ` SET
+		Requeue: `UPDATE ` + r + ` SET
 	delivery_state = 'pending', delivery_attempts = 0, revivals = 0, failure_kind = NULL,
 	next_attempt_at = ?1, updated_at = ?1, locked_until = NULL, batch_id = NULL
 WHERE id IN (
@@ -167,52 +167,52 @@ WHERE id IN (
 )
 RETURNING aggregate_type, aggregate_id`,
 
-		cleanup: `DELETE FROM ` + r + ` WHERE id IN (
+		Cleanup: `DELETE FROM ` + r + ` WHERE id IN (
 	SELECT id FROM ` + r + ` WHERE delivery_state = 'delivered' AND delivered_at < ?1
 	ORDER BY delivered_at
 	LIMIT ?2
 )`,
 
-		counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
-		oldestDue: `SELECT CAST(min(next_attempt_at) AS TEXT) FROM ` + r + `
+		Counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
+		OldestDue: `SELECT CAST(min(next_attempt_at) AS TEXT) FROM ` + r + `
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?1
 	AND (locked_until IS NULL OR locked_until <= ?1)`,
-		lastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
+		LastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
 	}
 }
 
-// claimTx runs fn inside immediate, so that the claim's reads and its
+// ClaimTx runs fn inside immediate, so that the claim's reads and its
 // lease see one state of the database.
-func (sqliteDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
+func (sqliteDialect) ClaimTx(ctx context.Context, db *gorm.DB, fn func(q Querier) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
 }
 
-// migrateTx: SQLite's DDL is transactional, and the write lock that
+// MigrateTx: SQLite's DDL is transactional, and the write lock that
 // immediate takes first makes concurrent migrations queue.
-func (sqliteDialect) migrateTx(ctx context.Context, db *gorm.DB, _ tables, fn func(q querier) error) error {
+func (sqliteDialect) MigrateTx(ctx context.Context, db *gorm.DB, _ Tables, fn func(q Querier) error) error {
 	return immediate(ctx, db, func(conn *sql.Conn) error { return fn(conn) })
 }
 
-// checkPool: immediate takes a connection of its own from db.DB(), which
+// CheckPool: immediate takes a connection of its own from db.DB(), which
 // needs a *sql.DB behind the pool.
-func (sqliteDialect) checkPool(db *gorm.DB) error {
+func (sqliteDialect) CheckPool(db *gorm.DB) error {
 	if _, err := db.DB(); err != nil {
 		return fmt.Errorf("the connection pool (%T) has no *sql.DB behind it, from which a claim takes a connection of its own: %w", db.Statement.ConnPool, err)
 	}
 	return nil
 }
 
-func (sqliteDialect) listen(context.Context, *gorm.DB, tables, func()) error { return errNoListen }
+func (sqliteDialect) Listen(context.Context, *gorm.DB, Tables, func()) error { return ErrNoListen }
 
-// lockConflict: the dispatcher's statements never wait for a lock
+// LockConflict: the dispatcher's statements never wait for a lock
 // long enough to be ended for it.
-func (sqliteDialect) lockConflict(error) bool { return false }
+func (sqliteDialect) LockConflict(error) bool { return false }
 
-// rejectsData: SQLite stores any text and number it is given; the values
+// RejectsData: SQLite stores any text and number it is given; the values
 // it refuses are those the schema's CHECK constraints refuse, such as a
 // payload that encoding/json accepts and SQLite's JSON parser does not
 // (nested deeper than its limit of 1000).
-func (sqliteDialect) rejectsData(err error) bool {
+func (sqliteDialect) RejectsData(err error) bool {
 	var se sqlite3.Error
 	return errors.As(err, &se) && se.ExtendedCode == sqlite3.ErrConstraintCheck
 }
@@ -252,22 +252,22 @@ func immediate(ctx context.Context, db *gorm.DB, fn func(conn *sql.Conn) error) 
 	return err
 }
 
-func (d sqliteDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, _ bool) (bool, error) {
+func (d sqliteDialect) InsertEvent(ctx context.Context, conn gorm.ConnPool, t Tables, e *Record, now time.Time, _ bool) (bool, error) {
 	var seq int64
-	if err := conn.QueryRowContext(ctx, `INSERT INTO `+t.sequences+` (aggregate_type, aggregate_id, last_sequence)
+	if err := conn.QueryRowContext(ctx, `INSERT INTO `+t.Sequences+` (aggregate_type, aggregate_id, last_sequence)
 VALUES (?, ?, 1)
 ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_sequence = last_sequence + 1
-RETURNING last_sequence`, e.aggregateType, e.aggregateID).Scan(&seq); err != nil {
+RETURNING last_sequence`, e.AggregateType, e.AggregateID).Scan(&seq); err != nil {
 		return false, err
 	}
-	ts := d.timeArg(now)
-	res, err := conn.ExecContext(ctx, `INSERT INTO `+t.records+` (event_id, event_type, aggregate_type,
+	ts := d.TimeArg(now)
+	res, err := conn.ExecContext(ctx, `INSERT INTO `+t.Records+` (event_id, event_type, aggregate_type,
 	aggregate_id, aggregate_sequence, idempotency_key, payload, headers, delivery_state,
 	delivery_attempts, next_attempt_at, occurred_at, created_at, updated_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)
 ON CONFLICT (idempotency_key) DO NOTHING`,
-		e.id, e.typ, e.aggregateType, e.aggregateID, seq, e.key, e.payload, e.headers,
-		ts, d.timeArg(e.occurredAt), ts, ts)
+		e.ID, e.Type, e.AggregateType, e.AggregateID, seq, e.Key, e.Payload, e.Headers,
+		ts, d.TimeArg(e.OccurredAt), ts, ts)
 	if err != nil {
 		return false, err
 	}

@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"errors"
@@ -6,14 +6,14 @@ import (
 	"time"
 )
 
-// scanTime scans a timestamp whichever way the driver returns it: a
-// time.Time, or the text SQLite stores. NULL scans as the zero time; a
+// Time scans a timestamp whichever way the driver returns it: a
+// time.Time, or the text SQLite stores (ReadTime's column). NULL scans as the zero time; a
 // time.Time that is the zero time does not: go-sql-driver returns it for
 // MySQL's zero date, '0000-00-00', which is no time (MariaDB's default
 // sql_mode stores it).
-type scanTime struct{ Time time.Time }
+type Time struct{ Time time.Time }
 
-func (s *scanTime) Scan(v any) error {
+func (s *Time) Scan(v any) error {
 	switch v := v.(type) {
 	case time.Time:
 		if v.IsZero() {
@@ -32,7 +32,7 @@ func (s *scanTime) Scan(v any) error {
 	return fmt.Errorf("outbox: cannot scan %T into a timestamp", v)
 }
 
-func (s *scanTime) parse(v string) error {
+func (s *Time) parse(v string) error {
 	for _, layout := range []string{sqliteTime, time.RFC3339Nano, "2006-01-02 15:04:05.999999999-07:00", "2006-01-02 15:04:05"} {
 		if t, err := time.Parse(layout, v); err == nil {
 			s.Time = t

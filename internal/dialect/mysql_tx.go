@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
@@ -10,18 +10,18 @@ import (
 	"gorm.io/gorm"
 )
 
-// lockConflict reports whether err is the server ending a statement or
-// a transaction that waited for a lock (dialect.lockConflict): a deadlock (1213, which rolls the
+// LockConflict reports whether err is the server ending a statement or
+// a transaction that waited for a lock (dialect.LockConflict): a deadlock (1213, which rolls the
 // transaction back) or a lock wait timeout (1205, which rolls back the
 // statement, or the transaction under innodb_rollback_on_timeout).
-func (mysqlDialect) lockConflict(err error) bool {
+func (mysqlDialect) LockConflict(err error) bool {
 	var me *mysql.MySQLError
 	return errors.As(err, &me) && (me.Number == 1213 || me.Number == 1205)
 }
 
 // readCommittedTx runs fn in a READ COMMITTED transaction on a connection
 // of db's pool, and again when the server ends it for a lock conflict
-// (retryLocks). READ COMMITTED takes no gap locks, so that a claim's
+// (RetryLocks). READ COMMITTED takes no gap locks, so that a claim's
 // locking reads do not block the writers' inserts, and each statement
 // sees what committed before it. go-sql-driver sets the level for the
 // one transaction (SET TRANSACTION ISOLATION LEVEL before START
@@ -31,7 +31,7 @@ func readCommittedTx(ctx context.Context, db *gorm.DB, fn func(tx *sql.Tx) error
 	if err != nil {
 		return err
 	}
-	return retryLocks(ctx, mysqlDialect{}, func() error {
+	return RetryLocks(ctx, mysqlDialect{}, func() error {
 		tx, err := sqlDB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 		if err != nil {
 			return err

@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
@@ -25,16 +25,16 @@ func mysqlFlavour(db *gorm.DB) mysqlDialect {
 	return mysqlDialect{mariadb: strings.Contains(strings.ToLower(version), "mariadb")}
 }
 
-// returnsRows: on MariaDB, creates and deletes take RETURNING; updates
+// ReturnsRows: on MariaDB, creates and deletes take RETURNING; updates
 // never do, on either server: the plugin locks and reads the rows their
 // WHERE matches first.
-func (d mysqlDialect) returnsRows(update bool) bool { return d.mariadb && !update }
+func (d mysqlDialect) ReturnsRows(update bool) bool { return d.mariadb && !update }
 
-// insertedColumn is empty: nothing in a row tells an upsert's insert from
-// its update, so the plugin reads the existing keys first (keyReads).
-func (mysqlDialect) insertedColumn() string { return "" }
+// InsertedColumn is empty: nothing in a row tells an upsert's insert from
+// its update, so the plugin reads the existing keys first (KeyReads).
+func (mysqlDialect) InsertedColumn() string { return "" }
 
-// keyReads: the plugin reads the keys inside the statement's
+// KeyReads: the plugin reads the keys inside the statement's
 // transaction, locking the rows it finds (FOR UPDATE, which also locks the
 // gaps where absent keys would go), so that they stay as read until the
 // upsert runs. ON DUPLICATE KEY UPDATE names no columns, so the primary
@@ -42,8 +42,8 @@ func (mysqlDialect) insertedColumn() string { return "" }
 // of the table, the plugin asks the server for the table's unique keys
 // (every one, whether GORM knows of it or not) and refuses the upsert,
 // before anything is written, if there is one besides the conflict key.
-func (mysqlDialect) keyReads() keyReads {
-	return keyReads{lock: " FOR UPDATE", rowList: true, primaryKey: true, uniqueKeys: mysqlUniqueKeys}
+func (mysqlDialect) KeyReads() KeyReads {
+	return KeyReads{Lock: " FOR UPDATE", RowList: true, PrimaryKey: true, UniqueKeys: mysqlUniqueKeys}
 }
 
 // mysqlUniqueKeys returns the unique keys of table, by name, each as its
@@ -69,7 +69,7 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND NON_UNIQUE = 0`, table)
 	return keys, rows.Err()
 }
 
-// errorAbortsTx is false: InnoDB rolls back the failed statement, not its
+// ErrorAbortsTx is false: InnoDB rolls back the failed statement, not its
 // transaction (but for a deadlock, which rolls back the whole transaction
 // and fails its commit).
-func (mysqlDialect) errorAbortsTx() bool { return false }
+func (mysqlDialect) ErrorAbortsTx() bool { return false }

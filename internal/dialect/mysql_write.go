@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
@@ -17,13 +17,13 @@ type mysqlDialect struct {
 	mariadb bool // the server is MariaDB (write_mysql.go)
 }
 
-// timeArg: DATETIME(6) keeps microseconds, and MySQL rounds finer digits
+// TimeArg: DATETIME(6) keeps microseconds, and MySQL rounds finer digits
 // while MariaDB truncates them; truncated here, a stored time is the same
 // on both and never later than the one given. The driver writes it in the
 // DSN's loc, in which it also reads DATETIME columns back.
-func (mysqlDialect) timeArg(t time.Time) any { return t.Truncate(time.Microsecond) }
+func (mysqlDialect) TimeArg(t time.Time) any { return t.Truncate(time.Microsecond) }
 
-// insertEvent takes the next sequence of e's aggregate and inserts the
+// InsertEvent takes the next sequence of e's aggregate and inserts the
 // record: two statements, no read. The upsert hands the new sequence back
 // as the statement's insert id (LAST_INSERT_ID(expr) on both paths), and
 // its row lock serialises the writers of one aggregate until commit, so
@@ -38,14 +38,14 @@ func (mysqlDialect) timeArg(t time.Time) any { return t.Truncate(time.Microsecon
 // transaction (InnoDB rolls back a statement, not its transaction, on these
 // errors), and the sequence is given back, so that a caller who goes on
 // and commits leaves no gap.
-func (d mysqlDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, _ bool) (bool, error) {
-	t = d.tables(t.name) // quoted for MySQL, whoever quoted t
+func (d mysqlDialect) InsertEvent(ctx context.Context, conn gorm.ConnPool, t Tables, e *Record, now time.Time, _ bool) (bool, error) {
+	t = d.Tables(t.Name) // quoted for MySQL, whoever quoted t
 	if err := fitsPacket(ctx, conn, e); err != nil {
 		return false, err
 	}
-	res, err := conn.ExecContext(ctx, `INSERT INTO `+t.sequences+` (aggregate_type, aggregate_id, last_sequence)
+	res, err := conn.ExecContext(ctx, `INSERT INTO `+t.Sequences+` (aggregate_type, aggregate_id, last_sequence)
 VALUES (?, ?, LAST_INSERT_ID(1))
-ON DUPLICATE KEY UPDATE last_sequence = LAST_INSERT_ID(last_sequence + 1)`, e.aggregateType, e.aggregateID)
+ON DUPLICATE KEY UPDATE last_sequence = LAST_INSERT_ID(last_sequence + 1)`, e.AggregateType, e.AggregateID)
 	if err != nil {
 		return false, err
 	}
@@ -53,25 +53,25 @@ ON DUPLICATE KEY UPDATE last_sequence = LAST_INSERT_ID(last_sequence + 1)`, e.ag
 	if err != nil {
 		return false, err
 	}
-	ts := d.timeArg(now)
-	_, err = conn.ExecContext(ctx, `INSERT INTO `+t.records+` (event_id, event_type, aggregate_type,
+	ts := d.TimeArg(now)
+	_, err = conn.ExecContext(ctx, `INSERT INTO `+t.Records+` (event_id, event_type, aggregate_type,
 	aggregate_id, aggregate_sequence, idempotency_key, payload, headers, delivery_state,
 	delivery_attempts, next_attempt_at, occurred_at, created_at, updated_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)`,
-		e.id, e.typ, e.aggregateType, e.aggregateID, seq, e.key, e.payload, e.headers,
-		ts, d.timeArg(e.occurredAt), ts, ts)
+		e.ID, e.Type, e.AggregateType, e.AggregateID, seq, e.Key, e.Payload, e.Headers,
+		ts, d.TimeArg(e.OccurredAt), ts, ts)
 	switch {
 	case err == nil:
 		return true, nil
-	case duplicateKey(err) == t.name+"_idempotency_key_key":
+	case duplicateKey(err) == t.Name+"_idempotency_key_key":
 		return false, d.releaseSequence(ctx, conn, t, e)
-	case duplicateKey(err) != "" || d.rejectsData(err):
+	case duplicateKey(err) != "" || d.RejectsData(err):
 		return false, errors.Join(err, d.releaseSequence(ctx, conn, t, e))
 	}
 	return false, err
 }
 
-// bigValue is the size of payload and headers from which insertEvent
+// bigValue is the size of payload and headers from which InsertEvent
 // checks them against the server's max_allowed_packet first (one query):
 // a value over it breaks the connection in the middle of the statement,
 // and the caller would learn only that the driver lost its connection. No
@@ -80,16 +80,16 @@ VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)`,
 const bigValue = 1 << 20
 
 // errOverPacket is wrapped by the error of an event too big for the
-// server's max_allowed_packet; rejectsData reports it.
+// server's max_allowed_packet; RejectsData reports it.
 var errOverPacket = errors.New("over the server's max_allowed_packet")
 
 // fitsPacket reports errOverPacket for an event whose payload and headers,
 // with a margin of a kilobyte for the rest of the statement, do not fit
 // in the server's max_allowed_packet.
-func fitsPacket(ctx context.Context, conn gorm.ConnPool, e *encodedEvent) error {
-	n := len(e.payload)
-	if e.headers != nil {
-		n += len(*e.headers)
+func fitsPacket(ctx context.Context, conn gorm.ConnPool, e *Record) error {
+	n := len(e.Payload)
+	if e.Headers != nil {
+		n += len(*e.Headers)
 	}
 	if n < bigValue {
 		return nil
@@ -107,10 +107,10 @@ func fitsPacket(ctx context.Context, conn gorm.ConnPool, e *encodedEvent) error 
 // releaseSequence undoes the sequence increment of an event that was not
 // inserted. The caller still holds the row lock its own increment took,
 // so no other transaction has moved the sequence since.
-func (mysqlDialect) releaseSequence(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent) error {
-	_, err := conn.ExecContext(ctx, `UPDATE `+t.sequences+
+func (mysqlDialect) releaseSequence(ctx context.Context, conn gorm.ConnPool, t Tables, e *Record) error {
+	_, err := conn.ExecContext(ctx, `UPDATE `+t.Sequences+
 		` SET last_sequence = last_sequence - 1 WHERE aggregate_type = ? AND aggregate_id = ?`,
-		e.aggregateType, e.aggregateID)
+		e.AggregateType, e.AggregateID)
 	return err
 }
 
@@ -132,10 +132,10 @@ func duplicateKey(err error) string {
 	return key[strings.LastIndexByte(key, '.')+1:]
 }
 
-// rejectsData reports whether err is the engine refusing a value rather
+// RejectsData reports whether err is the engine refusing a value rather
 // than failing: the event is then invalid, not the write. Each of these
 // errors rolls back the statement only.
-func (mysqlDialect) rejectsData(err error) bool {
+func (mysqlDialect) RejectsData(err error) bool {
 	var me *mysql.MySQLError
 	if !errors.As(err, &me) {
 		return errors.Is(err, errOverPacket)

@@ -1,4 +1,4 @@
-package outbox
+package dialect_test
 
 import (
 	"context"
@@ -11,34 +11,37 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
+	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+
+	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
 // mysqlWriteDB opens a fresh MySQL database with the outbox schema, and
 // returns its pool and the default tables.
-func mysqlWriteDB(t *testing.T) (*sql.DB, tables) {
+func mysqlWriteDB(t *testing.T) (*sql.DB, dialect.Tables) {
 	t.Helper()
 	db, _ := outboxtest.OpenMySQL(t, nil)
 	sqlDB, err := db.DB()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := AutoMigrate(db); err != nil {
+	if err := outbox.AutoMigrate(db); err != nil {
 		t.Fatal(err)
 	}
-	return sqlDB, mysqlDialect{}.tables(DefaultTable)
+	return sqlDB, dialect.MySQL.Tables(outbox.DefaultTable)
 }
 
 // writeEvent inserts e in a transaction of its own, which commits when the
 // insert returns no error.
-func writeEvent(t *testing.T, db *sql.DB, tb tables, e encodedEvent) (bool, error) {
+func writeEvent(t *testing.T, db *sql.DB, tb dialect.Tables, e dialect.Record) (bool, error) {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ok, err := mysqlDialect{}.insertEvent(ctx, tx, tb, &e, time.Now(), false)
+	ok, err := dialect.MySQL.InsertEvent(ctx, tx, tb, &e, time.Now(), false)
 	if err != nil {
 		// A connection the error broke has rolled back already.
 		if rerr := tx.Rollback(); rerr != nil && !errors.Is(rerr, driver.ErrBadConn) && !errors.Is(rerr, mysql.ErrInvalidConn) {
@@ -52,8 +55,8 @@ func writeEvent(t *testing.T, db *sql.DB, tb tables, e encodedEvent) (bool, erro
 	return ok, nil
 }
 
-func mysqlEvent(id, agg, key string) encodedEvent {
-	return encodedEvent{id: id, typ: "t", aggregateType: "order", aggregateID: agg, key: key, payload: `{"n":1}`, occurredAt: time.Now()}
+func mysqlEvent(id, agg, key string) dialect.Record {
+	return dialect.Record{ID: id, Type: "t", AggregateType: "order", AggregateID: agg, Key: key, Payload: `{"n":1}`, OccurredAt: time.Now()}
 }
 
 type mysqlRow struct {
@@ -61,9 +64,9 @@ type mysqlRow struct {
 	AggregateSequence                                   int64
 }
 
-func mysqlRows(t *testing.T, db *sql.DB, tb tables) []mysqlRow {
+func mysqlRows(t *testing.T, db *sql.DB, tb dialect.Tables) []mysqlRow {
 	t.Helper()
-	res, err := db.Query(`SELECT event_id, idempotency_key, aggregate_id, delivery_state, aggregate_sequence FROM ` + tb.records + ` ORDER BY id`)
+	res, err := db.Query(`SELECT event_id, idempotency_key, aggregate_id, delivery_state, aggregate_sequence FROM ` + tb.Records + ` ORDER BY id`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,10 +85,10 @@ func mysqlRows(t *testing.T, db *sql.DB, tb tables) []mysqlRow {
 	return out
 }
 
-func lastSequence(t *testing.T, db *sql.DB, tb tables, agg string) int64 {
+func lastSequence(t *testing.T, db *sql.DB, tb dialect.Tables, agg string) int64 {
 	t.Helper()
 	var n int64
-	if err := db.QueryRow(`SELECT last_sequence FROM `+tb.sequences+` WHERE aggregate_type = 'order' AND aggregate_id = ?`, agg).Scan(&n); err != nil {
+	if err := db.QueryRow(`SELECT last_sequence FROM `+tb.Sequences+` WHERE aggregate_type = 'order' AND aggregate_id = ?`, agg).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -115,7 +118,7 @@ func TestMySQLInsertEventWithAKnownKeyLeavesTheDeliveredRowAndTheSequence(t *tes
 	if ok, err := writeEvent(t, db, tb, mysqlEvent("e1", "a", "k")); !ok || err != nil {
 		t.Fatalf("first: inserted %v, %v", ok, err)
 	}
-	if _, err := db.Exec(`UPDATE ` + tb.records + ` SET delivery_state = 'delivered', delivered_at = now(6)`); err != nil {
+	if _, err := db.Exec(`UPDATE ` + tb.Records + ` SET delivery_state = 'delivered', delivered_at = now(6)`); err != nil {
 		t.Fatal(err)
 	}
 	ok, err := writeEvent(t, db, tb, mysqlEvent("e2", "a", "k"))
@@ -145,12 +148,12 @@ func TestMySQLInsertEventWithAKnownEventIDUnderAnotherKeyFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := mysqlEvent("e1", "a", "k2")
-	ok, err := mysqlDialect{}.insertEvent(ctx, tx, tb, &e, time.Now(), false)
-	if ok || duplicateKey(err) != DefaultTable+"_event_id_key" {
+	ok, err := dialect.MySQL.InsertEvent(ctx, tx, tb, &e, time.Now(), false)
+	if ok || dialect.DuplicateKey(err) != outbox.DefaultTable+"_event_id_key" {
 		t.Fatalf("event id clash: inserted %v, %v; want the event_id key's duplicate error", ok, err)
 	}
 	next := mysqlEvent("e3", "a", "k3")
-	if ok, err := (mysqlDialect{}).insertEvent(ctx, tx, tb, &next, time.Now(), false); !ok || err != nil {
+	if ok, err := dialect.MySQL.InsertEvent(ctx, tx, tb, &next, time.Now(), false); !ok || err != nil {
 		t.Fatalf("after the clash: inserted %v, %v", ok, err)
 	}
 	if err := tx.Commit(); err != nil {
@@ -188,17 +191,17 @@ func TestMySQLRefusedValuesAreInvalidEventsAndLeaveNoSequence(t *testing.T) {
 	db, tb := mysqlWriteDB(t)
 	for _, c := range []struct {
 		name string
-		edit func(e *encodedEvent)
+		edit func(e *dialect.Record)
 	}{
-		{"aggregate id over its width", func(e *encodedEvent) { e.aggregateID = strings.Repeat("x", 1021) }},
-		{"idempotency key over its width", func(e *encodedEvent) { e.key = strings.Repeat("x", 1021) }},
-		{"payload not UTF-8", func(e *encodedEvent) { e.payload = "\"\xff\"" }},
+		{"aggregate id over its width", func(e *dialect.Record) { e.AggregateID = strings.Repeat("x", 1021) }},
+		{"idempotency key over its width", func(e *dialect.Record) { e.Key = strings.Repeat("x", 1021) }},
+		{"payload not UTF-8", func(e *dialect.Record) { e.Payload = "\"\xff\"" }},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			e := mysqlEvent("e-"+c.name, "a", "k-"+c.name)
 			c.edit(&e)
 			ok, err := writeEvent(t, db, tb, e)
-			if ok || !(mysqlDialect{}).rejectsData(err) {
+			if ok || !dialect.MySQL.RejectsData(err) {
 				t.Fatalf("inserted %v, %v; want a refused value", ok, err)
 			}
 		})
@@ -216,9 +219,9 @@ func TestMySQLPayloadOverMaxAllowedPacketIsRefusedBeforeItIsSent(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := mysqlEvent("big", "a", "big")
-	e.payload = `"` + strings.Repeat("x", int(packet)) + `"`
+	e.Payload = `"` + strings.Repeat("x", int(packet)) + `"`
 	ok, err := writeEvent(t, db, tb, e)
-	if ok || !errors.Is(err, errOverPacket) || !(mysqlDialect{}).rejectsData(err) {
+	if ok || !errors.Is(err, dialect.ErrOverPacket) || !dialect.MySQL.RejectsData(err) {
 		t.Fatalf("inserted %v, %.200v; want errOverPacket", ok, err)
 	}
 	if n := len(mysqlRows(t, db, tb)); n != 0 {

@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
@@ -23,35 +23,35 @@ import (
 // only (see Dispatcher); listeners hear commits through LISTEN/NOTIFY.
 type postgresDialect struct{}
 
-func (postgresDialect) name() string { return "postgres" }
+func (postgresDialect) Name() string { return "postgres" }
 
-func (postgresDialect) tables(name string) tables { return tablesFor(name) }
+func (postgresDialect) Tables(name string) Tables { return TablesFor(name) }
 
-func (postgresDialect) bind(query string) string { return bindNumbered(query) }
+func (postgresDialect) Bind(query string) string { return BindNumbered(query) }
 
-func (postgresDialect) timeArg(t time.Time) any { return t.UTC() }
+func (postgresDialect) TimeArg(t time.Time) any { return t.UTC() }
 
-// readTime: a timestamptz column holds nothing but times.
-func (postgresDialect) readTime(column string) string { return column }
+// ReadTime: a timestamptz column holds nothing but times.
+func (postgresDialect) ReadTime(column string) string { return column }
 
-func (postgresDialect) idList(ids []int64) any { return ids }
+func (postgresDialect) IDList(ids []int64) any { return ids }
 
-func (postgresDialect) textList(s []string) any {
+func (postgresDialect) TextList(s []string) any {
 	if s == nil {
 		return nil
 	}
 	return s
 }
 
-func (postgresDialect) eventList(events []aggregateSeq) []any {
+func (postgresDialect) EventList(events []Position) []any {
 	types, ids, seqs := make([]string, len(events)), make([]string, len(events)), make([]int64, len(events))
 	for i, e := range events {
-		types[i], ids[i], seqs[i] = e.agg.typ, e.agg.id, e.seq
+		types[i], ids[i], seqs[i] = e.Aggregate.Type, e.Aggregate.ID, e.Seq
 	}
 	return []any{types, ids, seqs}
 }
 
-// statements. Claimable is written out in each statement that claims:
+// Statements. Claimable is written out in each statement that claims:
 // delivery_state IN ('pending', 'retry', 'delivering') AND
 // next_attempt_at <= now AND (locked_until IS NULL OR locked_until <= now);
 // the partial due index serves its first two terms in due order. Lists
@@ -60,9 +60,9 @@ func (postgresDialect) eventList(events []aggregateSeq) []any {
 // never has to guess their contents. The lease and the settles set
 // synchronous_commit off for their own transaction, through set_config in
 // an uncorrelated subquery that runs once, before the commit.
-func (postgresDialect) statements(t tables) statements {
-	r := t.records
-	return statements{
+func (postgresDialect) Statements(t Tables) Statements {
+	r := t.Records
+	return Statements{
 		// claim is the oldest-first claim in one statement, so in one
 		// implicit transaction and one round trip: the window (w), locked
 		// as it is read; per aggregate its lowest sequence there and the
@@ -74,20 +74,20 @@ func (postgresDialect) statements(t tables) statements {
 		// returns at least one row: the window's size and whether a
 		// predecessor waits (not in flight), then each leased row's
 		// columns, NULL when it leased none. Its text is pgClaim's, below.
-		claim: pgClaim(r, ""),
+		Claim: pgClaim(r, ""),
 
 		// claimShard is claim with its window limited to one shard ($5) of
 		// the aggregates, by a hash of aggregate type and id.
-		claimShard: pgClaim(r, `
+		ClaimShard: pgClaim(r, `
 		AND (hashtext(aggregate_type || '/' || aggregate_id) & 7) = $5`),
 
-		settleDelivered: `UPDATE ` + r + ` SET
+		SettleDelivered: `UPDATE ` + r + ` SET
 	delivery_state = 'delivered', delivery_attempts = delivery_attempts + 1, next_attempt_at = $1,
 	last_error = NULL, failure_kind = NULL, locked_until = NULL, delivered_at = $1, updated_at = $1
 WHERE id = ANY($3) AND batch_id = $2 AND delivery_state = 'delivering'
 	AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`,
 
-		settleOther: `UPDATE ` + r + ` SET
+		SettleOther: `UPDATE ` + r + ` SET
 	delivery_state = $1, delivery_attempts = $2, next_attempt_at = $3,
 	last_error = coalesce($4, last_error), failure_kind = $5, locked_until = NULL, updated_at = $6
 WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
@@ -97,7 +97,7 @@ WHERE id = ANY($8) AND batch_id = $7 AND delivery_state = 'delivering'
 		// the aggregate index: joined instead, the planner may drive the
 		// query from the heads' condition, misjudged by statistics taken
 		// while the backlog was due, and scan every row that is not due.
-		blockers: `WITH seen AS MATERIALIZED (
+		Blockers: `WITH seen AS MATERIALIZED (
 	SELECT c.aggregate_type AS bt, c.aggregate_id AS ba, min(c.next_attempt_at) AS fn FROM (
 		SELECT aggregate_type, aggregate_id, aggregate_sequence, next_attempt_at FROM ` + r + `
 		WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
@@ -125,18 +125,18 @@ SELECT bt, ba, hs, state, CASE WHEN state = 'failed' THEN $3 ELSE (SELECT h.next
 		WHERE h.aggregate_type = bt AND h.aggregate_id = ba AND h.aggregate_sequence = hs) END
 FROM waits WHERE state IS NOT NULL`,
 
-		park: `UPDATE ` + r + ` SET next_attempt_at = $1, updated_at = $2
+		Park: `UPDATE ` + r + ` SET next_attempt_at = $1, updated_at = $2
 WHERE aggregate_type = $3 AND aggregate_id = $4 AND aggregate_sequence > $5
 	AND delivery_state IN ('pending', 'retry') AND next_attempt_at < $1
 	AND EXISTS (SELECT 1 FROM ` + r + ` h
 		WHERE h.aggregate_type = $3 AND h.aggregate_id = $4 AND h.aggregate_sequence = $5
 			AND h.delivery_state = $6)`,
 
-		unpark: `UPDATE ` + r + ` SET next_attempt_at = $1, updated_at = $1
+		Unpark: `UPDATE ` + r + ` SET next_attempt_at = $1, updated_at = $1
 WHERE delivery_state IN ('pending', 'retry') AND next_attempt_at > $1
 	AND (aggregate_type, aggregate_id) IN (SELECT u.typ, u.agg FROM unnest($2::text[], $3::text[], $4::bigint[]) AS u(typ, agg, seq))`,
 
-		revive: `UPDATE ` + r + ` SET
+		Revive: `UPDATE ` + r + ` SET
 	delivery_state = 'pending', delivery_attempts = 0, revivals = revivals + 1, failure_kind = NULL,
 	next_attempt_at = $1, updated_at = $1, locked_until = NULL, batch_id = NULL
 WHERE id IN (
@@ -148,7 +148,7 @@ WHERE id IN (
 )
 RETURNING aggregate_type, aggregate_id`,
 
-		requeue: `UPDATE ` + r + ` SET
+		Requeue: `UPDATE ` + r + ` SET
 	delivery_state = 'pending', delivery_attempts = 0, revivals = 0, failure_kind = NULL,
 	next_attempt_at = $1, updated_at = $1, locked_until = NULL, batch_id = NULL
 WHERE id IN (
@@ -163,18 +163,18 @@ WHERE id IN (
 )
 RETURNING aggregate_type, aggregate_id`,
 
-		cleanup: `DELETE FROM ` + r + ` WHERE id IN (
+		Cleanup: `DELETE FROM ` + r + ` WHERE id IN (
 	SELECT id FROM ` + r + ` WHERE delivery_state = 'delivered' AND delivered_at < $1
 	ORDER BY delivered_at
 	LIMIT $2
 	FOR UPDATE SKIP LOCKED
 )`,
 
-		counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
-		oldestDue: `SELECT min(next_attempt_at) FROM ` + r + `
+		Counts: `SELECT delivery_state, count(*) FROM ` + r + ` GROUP BY delivery_state`,
+		OldestDue: `SELECT min(next_attempt_at) FROM ` + r + `
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= $1
 	AND (locked_until IS NULL OR locked_until <= $1)`,
-		lastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
+		LastFailure: `SELECT last_error FROM ` + r + ` WHERE delivery_state = 'failed' ORDER BY updated_at DESC, id DESC LIMIT 1`,
 	}
 }
 
@@ -220,24 +220,24 @@ SELECT (SELECT count(*) FROM w), coalesce((SELECT bool_or(pred = 'waits') FROM s
 FROM (SELECT 1) one LEFT JOIN leased ON true`
 }
 
-// claimTx begins the claim's transaction on the pool: on a *sql.DB, or on
+// ClaimTx begins the claim's transaction on the pool: on a *sql.DB, or on
 // a pool of the user's own that can begin one. It asks for READ COMMITTED
 // (in the BEGIN itself, no extra round trip) rather than take the
 // session's default: under REPEATABLE READ a claim's reads would not see
 // what committed after its first one, and its lock statement would fail
 // with a serialization error on a row another claim leased meanwhile.
-func (postgresDialect) claimTx(ctx context.Context, db *gorm.DB, fn func(q querier) error) error {
-	return inTx(ctx, db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, fn)
+func (postgresDialect) ClaimTx(ctx context.Context, db *gorm.DB, fn func(q Querier) error) error {
+	return InTx(ctx, db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, fn)
 }
 
-// migrateTx: DDL is transactional on PostgreSQL, so the whole migration
+// MigrateTx: DDL is transactional on PostgreSQL, so the whole migration
 // is one transaction, and processes that migrate at the same start-up
 // queue on an advisory lock named after the table instead of racing on
 // the catalog.
-func (postgresDialect) migrateTx(ctx context.Context, db *gorm.DB, t tables, fn func(q querier) error) error {
+func (postgresDialect) MigrateTx(ctx context.Context, db *gorm.DB, t Tables, fn func(q Querier) error) error {
 	h := fnv.New32a()
-	h.Write([]byte("gorm-outbox:" + t.name))
-	return inTx(ctx, db, nil, func(q querier) error {
+	h.Write([]byte("gorm-outbox:" + t.Name))
+	return InTx(ctx, db, nil, func(q Querier) error {
 		if _, err := q.ExecContext(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatUint(uint64(h.Sum32()), 10)+`)`); err != nil {
 			return err
 		}
@@ -245,8 +245,8 @@ func (postgresDialect) migrateTx(ctx context.Context, db *gorm.DB, t tables, fn 
 	})
 }
 
-// checkPool: a claim begins its transaction through the pool.
-func (postgresDialect) checkPool(db *gorm.DB) error {
+// CheckPool: a claim begins its transaction through the pool.
+func (postgresDialect) CheckPool(db *gorm.DB) error {
 	switch db.Statement.ConnPool.(type) {
 	case gorm.TxBeginner, gorm.ConnPoolBeginner:
 		return nil
@@ -254,28 +254,28 @@ func (postgresDialect) checkPool(db *gorm.DB) error {
 	return fmt.Errorf("the connection pool (%T) cannot begin transactions, which a claim needs", db.Statement.ConnPool)
 }
 
-// lockConflict: the dispatcher's statements never wait for a lock
+// LockConflict: the dispatcher's statements never wait for a lock
 // long enough to be ended for it.
-func (postgresDialect) lockConflict(error) bool { return false }
+func (postgresDialect) LockConflict(error) bool { return false }
 
-// rejectsData: SQLSTATE class 22 is "data exception".
-func (postgresDialect) rejectsData(err error) bool {
+// RejectsData: SQLSTATE class 22 is "data exception".
+func (postgresDialect) RejectsData(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
 
-// listen holds one connection of db's pool for LISTEN, outside the pool's
+// Listen holds one connection of db's pool for LISTEN, outside the pool's
 // accounting, and discards it when done: a connection that listened is
 // never handed back to the pool.
-func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake func()) error {
+func (postgresDialect) Listen(ctx context.Context, db *gorm.DB, t Tables, wake func()) error {
 	sqlDB, err := db.DB()
 	if err != nil {
-		return errNoListen
+		return ErrNoListen
 	}
 	if sqlDB.Stats().MaxOpenConnections == 1 {
 		// Listening would hold the pool's only connection, and every claim
 		// would wait for it forever.
-		return fmt.Errorf("%w: the pool has a single connection (SetMaxOpenConns(1))", errNoListen)
+		return fmt.Errorf("%w: the pool has a single connection (SetMaxOpenConns(1))", ErrNoListen)
 	}
 	conn, err := sqlDB.Conn(ctx)
 	if err != nil {
@@ -285,10 +285,10 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	return conn.Raw(func(driverConn any) error {
 		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
 		if !ok {
-			return errNoListen
+			return ErrNoListen
 		}
 		pc := c.Conn()
-		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.name)); err != nil {
+		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.Name)); err != nil {
 			return errors.Join(err, driver.ErrBadConn)
 		}
 		// Rows may have committed while nobody listened.
@@ -302,37 +302,37 @@ func (postgresDialect) listen(ctx context.Context, db *gorm.DB, t tables, wake f
 	})
 }
 
-// notifyCommitted notifies t's channel in a transaction of its own. The
+// NotifyCommitted notifies t's channel in a transaction of its own. The
 // transaction commits asynchronously: it carries no data, so its commit
 // need not wait for a WAL flush, and listeners are signalled at commit
 // either way.
-func (postgresDialect) notifyCommitted(ctx context.Context, pool *sql.DB, t tables) error {
-	_, err := pool.ExecContext(ctx, `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, '')`, t.name)
+func (postgresDialect) NotifyCommitted(ctx context.Context, pool *sql.DB, t Tables) error {
+	_, err := pool.ExecContext(ctx, `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, '')`, t.Name)
 	return err
 }
 
-func (d postgresDialect) insertEvent(ctx context.Context, conn gorm.ConnPool, t tables, e *encodedEvent, now time.Time, notify bool) (bool, error) {
+func (d postgresDialect) InsertEvent(ctx context.Context, conn gorm.ConnPool, t Tables, e *Record, now time.Time, notify bool) (bool, error) {
 	// One round trip: the sequence upsert, the record insert and the
 	// notification share a statement. The upsert's row lock serialises
 	// writers of one aggregate until commit, which is what makes sequences
 	// gapless and in commit order. The notification, like the rows, is
 	// delivered only if the transaction commits.
 	notifyExpr := "''"
-	args := []any{e.aggregateType, e.aggregateID, e.id, e.typ, e.key, e.payload, e.headers, now.UTC(), e.occurredAt.UTC()}
+	args := []any{e.AggregateType, e.AggregateID, e.ID, e.Type, e.Key, e.Payload, e.Headers, now.UTC(), e.OccurredAt.UTC()}
 	if notify {
 		notifyExpr = "pg_notify($10, '')::text"
-		args = append(args, t.name)
+		args = append(args, t.Name)
 	}
 	var (
 		seq  int64
 		void string
 	)
 	err := conn.QueryRowContext(ctx, `WITH seq AS (
-	INSERT INTO `+t.sequences+` AS s (aggregate_type, aggregate_id, last_sequence) VALUES ($1, $2, 1)
+	INSERT INTO `+t.Sequences+` AS s (aggregate_type, aggregate_id, last_sequence) VALUES ($1, $2, 1)
 	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_sequence = s.last_sequence + 1
 	RETURNING last_sequence
 ), ins AS (
-	INSERT INTO `+t.records+` (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
+	INSERT INTO `+t.Records+` (event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
 		idempotency_key, payload, headers, delivery_state, delivery_attempts, next_attempt_at,
 		occurred_at, created_at, updated_at)
 	SELECT $3, $4, $1, $2, seq.last_sequence, $5, $6::jsonb, $7::jsonb, 'pending', 0, $8, $9, $8, $8 FROM seq

@@ -1,4 +1,4 @@
-package outbox
+package dialect
 
 import (
 	"context"
