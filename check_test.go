@@ -2,13 +2,13 @@ package outbox_test
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 // dropUniqueKeys removes the unique constraints on the idempotency key and
@@ -29,7 +29,7 @@ func dropUniqueKeys(t *testing.T, b bundle, e outboxtest.Engine) {
 	}
 }
 
-func kinds(vs []outbox.Violation) string {
+func kinds(vs []outboxinspect.Violation) string {
 	var ks []string
 	for _, v := range vs {
 		ks = append(ks, v.Kind)
@@ -45,7 +45,7 @@ func TestCheckFindsNothingOnADrainedTable(t *testing.T) {
 		d := newDispatcher(t, b.db, &recorder{})
 		for dispatch(t, d) > 0 {
 		}
-		vs, err := d.Check(context.Background(), outbox.CheckOptions{})
+		vs, err := outboxinspect.New(d).Check(context.Background(), outboxinspect.CheckOptions{})
 		mustNil(t, err)
 		if len(vs) != 0 {
 			t.Fatalf("violations on a healthy table: %v", vs)
@@ -65,20 +65,20 @@ func TestCheckFindsEachPlantedViolation(t *testing.T) {
 	}{
 		{"a sequence missing between rows", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`DELETE FROM outbox_records WHERE aggregate_sequence = 2`).Error)
-		}, outbox.ViolationSequenceGap, ""},
+		}, outboxinspect.ViolationSequenceGap, ""},
 		{"sequences missing above the highest row", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records_sequences SET last_sequence = 5`).Error)
-		}, outbox.ViolationSequenceGap, ""},
+		}, outboxinspect.ViolationSequenceGap, ""},
 		{"rows without a sequence row", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`DELETE FROM outbox_records_sequences`).Error)
-		}, outbox.ViolationSequenceGap, ""},
+		}, outboxinspect.ViolationSequenceGap, ""},
 		{"cleaned-up sequences below the lowest row are allowed", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`DELETE FROM outbox_records WHERE aggregate_sequence < 3`).Error)
 		}, "", ""},
 		{"a delivered event after a pending one", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_sequence = 3`,
 				at(e, time.Now())).Error)
-		}, outbox.ViolationOrder, "agg-1-3"},
+		}, outboxinspect.ViolationOrder, "agg-1-3"},
 		{"a delivered event after a late settle's retry is allowed", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'retry', delivery_attempts = 1, next_attempt_at = ? WHERE aggregate_sequence = 1`,
 				at(e, time.Now().Add(time.Minute))).Error)
@@ -93,7 +93,7 @@ func TestCheckFindsEachPlantedViolation(t *testing.T) {
 		{"a lease that ended long ago", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', locked_until = ?, next_attempt_at = ? WHERE aggregate_sequence = 1`,
 				at(e, past(2*time.Minute)), at(e, time.Now())).Error)
-		}, outbox.ViolationExpiredLease, "agg-1-1"},
+		}, outboxinspect.ViolationExpiredLease, "agg-1-1"},
 		{"a lease that ended within the grace is allowed", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', locked_until = ? WHERE aggregate_sequence = 1`,
 				at(e, past(10*time.Second))).Error)
@@ -106,11 +106,11 @@ SELECT 100, event_id, event_type, aggregate_type, 'copy', 1, idempotency_key, pa
 	delivery_attempts, next_attempt_at, occurred_at, created_at, updated_at
 FROM outbox_records WHERE aggregate_sequence = 1`).Error)
 			mustNil(t, b.db.Exec(`INSERT INTO outbox_records_sequences (aggregate_type, aggregate_id, last_sequence) VALUES ('agg', 'copy', 1)`).Error)
-		}, outbox.ViolationDuplicateKey + "," + outbox.ViolationDuplicateKey, ""},
+		}, outboxinspect.ViolationDuplicateKey + "," + outboxinspect.ViolationDuplicateKey, ""},
 		{"the oldest due event waited too long", func(t *testing.T, b bundle, e outboxtest.Engine) {
 			mustNil(t, b.db.Exec(`UPDATE outbox_records SET next_attempt_at = ? WHERE aggregate_sequence = 1`,
 				at(e, past(10*time.Minute))).Error)
-		}, outbox.ViolationDueAge, "agg-1-1"},
+		}, outboxinspect.ViolationDueAge, "agg-1-1"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -120,7 +120,7 @@ FROM outbox_records WHERE aggregate_sequence = 1`).Error)
 					mustNil(t, outbox.Publish(b.db, outbox.Event{ID: "agg-1-" + string(rune('0'+i)), Type: "t", AggregateType: "agg", AggregateID: "1"}))
 				}
 				tc.plant(t, b, e)
-				vs, err := newDispatcher(t, b.db, &recorder{}).Check(context.Background(), outbox.CheckOptions{})
+				vs, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Check(context.Background(), outboxinspect.CheckOptions{})
 				mustNil(t, err)
 				if got := kinds(vs); got != tc.want {
 					t.Fatalf("violations %v, want kinds %q", vs, tc.want)
@@ -142,30 +142,9 @@ func TestCheckWithANegativeMaxDueAgeIgnoresLag(t *testing.T) {
 	b := setup(t, outboxtest.SQLite, nil)
 	publishN(t, b.db, "1", 1)
 	mustNil(t, b.db.Exec(`UPDATE outbox_records SET next_attempt_at = ?`, at(outboxtest.SQLite, time.Now().Add(-time.Hour))).Error)
-	vs, err := newDispatcher(t, b.db, &recorder{}).Check(context.Background(), outbox.CheckOptions{MaxDueAge: -1})
+	vs, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Check(context.Background(), outboxinspect.CheckOptions{MaxDueAge: -1})
 	mustNil(t, err)
 	if len(vs) != 0 {
 		t.Fatalf("violations %v with the lag check off", vs)
 	}
-}
-
-// Check after a chaos test: here, a lease that a killed dispatcher left
-// behind an hour ago, which no dispatcher has claimed again.
-func ExampleDispatcher_Check() {
-	db, done := openExampleDB()
-	defer done()
-	outbox.Publish(db, outbox.Event{ID: "evt-1", Type: "order.created", AggregateType: "order", AggregateID: "42"})
-	d, _ := outbox.NewDispatcher(db, outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil }))
-	vs, _ := d.Check(context.Background(), outbox.CheckOptions{})
-	fmt.Println(len(vs), "violations")
-
-	db.Exec(`UPDATE outbox_records SET delivery_state = 'delivering', locked_until = ?`,
-		time.Now().Add(-time.Hour).UTC().Format("2006-01-02 15:04:05.000000000+00:00"))
-	vs, _ = d.Check(context.Background(), outbox.CheckOptions{MaxDueAge: -1})
-	for _, v := range vs {
-		fmt.Println(v.Kind, v.EventID)
-	}
-	// Output:
-	// 0 violations
-	// expired-lease evt-1
 }

@@ -408,3 +408,14 @@ func (d *Dispatcher) publish(ctx context.Context, b Batch) error {
 		}
 	}
 }
+
+// Table returns the name of the outbox table the dispatcher works on, as
+// configured (unquoted).
+func (d *Dispatcher) Table() string { return d.t.Name }
+
+// DB returns the database the dispatcher was made with.
+func (d *Dispatcher) DB() *gorm.DB { return d.db }
+
+// SweepLimit returns how many rows one sweep, requeue or cleanup
+// statement moves at most ([WithSweepLimit], default [DefaultSweepLimit]).
+func (d *Dispatcher) SweepLimit() int { return d.sweepLimit }

@@ -4,12 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"testing"
 	"time"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 // at returns t as the engine's tests store timestamps planted by SQL: the
@@ -21,7 +21,7 @@ func at(e outboxtest.Engine, t time.Time) any {
 	return t
 }
 
-func eventIDs(msgs []outbox.MessageInfo) []string {
+func eventIDs(msgs []outboxinspect.MessageInfo) []string {
 	ids := make([]string, len(msgs))
 	for i, m := range msgs {
 		ids[i] = m.EventID
@@ -29,7 +29,7 @@ func eventIDs(msgs []outbox.MessageInfo) []string {
 	return ids
 }
 
-func sameIDs(t *testing.T, what string, got []outbox.MessageInfo, want ...string) {
+func sameIDs(t *testing.T, what string, got []outboxinspect.MessageInfo, want ...string) {
 	t.Helper()
 	ids := eventIDs(got)
 	if len(ids) != len(want) {
@@ -59,22 +59,22 @@ func TestMessagesSelectByEveryFilter(t *testing.T) {
 		ctx := context.Background()
 		for _, tc := range []struct {
 			name string
-			f    outbox.MessageFilter
+			f    outboxinspect.MessageFilter
 			want []string
 		}{
-			{"everything, newest first", outbox.MessageFilter{}, []string{"c1", "b1", "a2", "a1"}},
-			{"oldest first, limited", outbox.MessageFilter{Order: outbox.OldestFirst, Limit: 2}, []string{"a1", "a2"}},
-			{"by state", outbox.MessageFilter{States: []string{outbox.StateFailed}}, []string{"b1"}},
-			{"by event type", outbox.MessageFilter{EventTypes: []string{"order.created"}, Order: outbox.OldestFirst}, []string{"a1", "b1"}},
-			{"by aggregate", outbox.MessageFilter{AggregateType: "order", AggregateID: "1"}, []string{"a2", "a1"}},
-			{"by aggregate type", outbox.MessageFilter{AggregateType: "user"}, []string{"c1"}},
-			{"by event id", outbox.MessageFilter{EventIDs: []string{"a2", "c1"}}, []string{"c1", "a2"}},
-			{"written before", outbox.MessageFilter{CreatedBefore: time.Now().Add(-time.Minute)}, []string{"b1"}},
-			{"written after", outbox.MessageFilter{CreatedAfter: time.Now().Add(-time.Minute)}, []string{"c1", "a2", "a1"}},
-			{"in sequence order", outbox.MessageFilter{Order: outbox.SequenceOrder}, []string{"a1", "a2", "b1", "c1"}},
-			{"sequence range", outbox.MessageFilter{AggregateType: "order", AggregateID: "1", SequenceFrom: 2, SequenceTo: 2}, []string{"a2"}},
+			{"everything, newest first", outboxinspect.MessageFilter{}, []string{"c1", "b1", "a2", "a1"}},
+			{"oldest first, limited", outboxinspect.MessageFilter{Order: outboxinspect.OldestFirst, Limit: 2}, []string{"a1", "a2"}},
+			{"by state", outboxinspect.MessageFilter{States: []string{outbox.StateFailed}}, []string{"b1"}},
+			{"by event type", outboxinspect.MessageFilter{EventTypes: []string{"order.created"}, Order: outboxinspect.OldestFirst}, []string{"a1", "b1"}},
+			{"by aggregate", outboxinspect.MessageFilter{AggregateType: "order", AggregateID: "1"}, []string{"a2", "a1"}},
+			{"by aggregate type", outboxinspect.MessageFilter{AggregateType: "user"}, []string{"c1"}},
+			{"by event id", outboxinspect.MessageFilter{EventIDs: []string{"a2", "c1"}}, []string{"c1", "a2"}},
+			{"written before", outboxinspect.MessageFilter{CreatedBefore: time.Now().Add(-time.Minute)}, []string{"b1"}},
+			{"written after", outboxinspect.MessageFilter{CreatedAfter: time.Now().Add(-time.Minute)}, []string{"c1", "a2", "a1"}},
+			{"in sequence order", outboxinspect.MessageFilter{Order: outboxinspect.SequenceOrder}, []string{"a1", "a2", "b1", "c1"}},
+			{"sequence range", outboxinspect.MessageFilter{AggregateType: "order", AggregateID: "1", SequenceFrom: 2, SequenceTo: 2}, []string{"a2"}},
 		} {
-			msgs, err := d.Messages(ctx, tc.f)
+			msgs, err := outboxinspect.New(d).Messages(ctx, tc.f)
 			mustNil(t, err)
 			sameIDs(t, tc.name, msgs, tc.want...)
 		}
@@ -83,11 +83,11 @@ func TestMessagesSelectByEveryFilter(t *testing.T) {
 
 func TestMessagesReturnAtMostTheDefaultLimit(t *testing.T) {
 	b := setup(t, outboxtest.SQLite, nil)
-	publishN(t, b.db, "1", outbox.DefaultMessageLimit+1)
-	msgs, err := newDispatcher(t, b.db, &recorder{}).Messages(context.Background(), outbox.MessageFilter{})
+	publishN(t, b.db, "1", outboxinspect.DefaultMessageLimit+1)
+	msgs, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Messages(context.Background(), outboxinspect.MessageFilter{})
 	mustNil(t, err)
-	if len(msgs) != outbox.DefaultMessageLimit || msgs[0].Sequence != int64(outbox.DefaultMessageLimit+1) {
-		t.Fatalf("got %d messages from sequence %d, want the newest %d", len(msgs), msgs[0].Sequence, outbox.DefaultMessageLimit)
+	if len(msgs) != outboxinspect.DefaultMessageLimit || msgs[0].Sequence != int64(outboxinspect.DefaultMessageLimit+1) {
+		t.Fatalf("got %d messages from sequence %d, want the newest %d", len(msgs), msgs[0].Sequence, outboxinspect.DefaultMessageLimit)
 	}
 }
 
@@ -100,7 +100,7 @@ func TestMessageReadsTheWholeRow(t *testing.T) {
 		fail := errors.New("broker down")
 		d := newDispatcher(t, b.db, &recorder{Next: func(outbox.Batch) error { return fail }})
 		dispatch(t, d)
-		m, err := d.Message(context.Background(), "ev-1")
+		m, err := outboxinspect.New(d).Message(context.Background(), "ev-1")
 		mustNil(t, err)
 		var payload map[string]int
 		mustNil(t, json.Unmarshal(m.Payload, &payload))
@@ -115,8 +115,8 @@ func TestMessageReadsTheWholeRow(t *testing.T) {
 
 func TestMessageOfAnUnknownEventIsNotFound(t *testing.T) {
 	b := setup(t, outboxtest.SQLite, nil)
-	_, err := newDispatcher(t, b.db, &recorder{}).Message(context.Background(), "nope")
-	if !errors.Is(err, outbox.ErrMessageNotFound) {
+	_, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Message(context.Background(), "nope")
+	if !errors.Is(err, outboxinspect.ErrMessageNotFound) {
 		t.Fatalf("got %v, want ErrMessageNotFound", err)
 	}
 }
@@ -135,12 +135,12 @@ func TestRequeueCandidatesAreWhatRequeueMoves(t *testing.T) {
 		d := newDispatcher(t, b.db, &recorder{})
 		ctx := context.Background()
 		f := outbox.RequeueFilter{FailedBefore: now.Add(-8 * time.Minute), Limit: 1}
-		dry, err := d.RequeueCandidates(ctx, f)
+		dry, err := outboxinspect.New(d).RequeueCandidates(ctx, f)
 		mustNil(t, err)
 		sameIDs(t, "dry run", dry, "f1")
 		n, err := d.Requeue(ctx, f)
 		mustNil(t, err)
-		pending, err := d.Messages(ctx, outbox.MessageFilter{States: []string{outbox.StatePending}, Order: outbox.OldestFirst})
+		pending, err := outboxinspect.New(d).Messages(ctx, outboxinspect.MessageFilter{States: []string{outbox.StatePending}, Order: outboxinspect.OldestFirst})
 		mustNil(t, err)
 		if n != 1 {
 			t.Fatalf("requeue moved %d", n)
@@ -161,39 +161,13 @@ func TestActivityCountsDeliveriesAndFailuresPerInterval(t *testing.T) {
 			at(e, now.Add(-2*time.Hour))).Error)
 		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', updated_at = ? WHERE aggregate_id = '2'`,
 			at(e, now.Add(-10*time.Second))).Error)
-		got, err := newDispatcher(t, b.db, &recorder{}).Activity(context.Background(), time.Minute, 3)
+		got, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Activity(context.Background(), time.Minute, 3)
 		mustNil(t, err)
-		want := []outbox.ActivityBucket{{Delivered: 0}, {Delivered: 2}, {Failed: 1}}
+		want := []outboxinspect.ActivityBucket{{Delivered: 0}, {Delivered: 2}, {Failed: 1}}
 		for i := range want {
 			if got[i].Delivered != want[i].Delivered || got[i].Failed != want[i].Failed {
 				t.Fatalf("buckets %+v, want counts %+v", got, want)
 			}
 		}
 	})
-}
-
-// What an operator looks at first: the dead letters of one event type,
-// and then one of them whole.
-func ExampleDispatcher_Messages() {
-	db, done := openExampleDB()
-	defer done()
-	for _, id := range []string{"evt-1", "evt-2"} {
-		outbox.Publish(db, outbox.Event{ID: id, Type: "order.created", AggregateType: "order", AggregateID: "42",
-			Payload: map[string]int{"total": 3}})
-	}
-	db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', delivery_attempts = 10, last_error = 'broker said no' WHERE event_id = 'evt-1'`)
-	d, _ := outbox.NewDispatcher(db, outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return nil }))
-
-	dead, _ := d.Messages(context.Background(), outbox.MessageFilter{States: []string{outbox.StateFailed}, EventTypes: []string{"order.created"}})
-	for _, m := range dead {
-		fmt.Println(m.EventID, m.AggregateType+"/"+m.AggregateID, m.Sequence, m.Attempts, m.LastError)
-	}
-	m, _ := d.Message(context.Background(), "evt-2")
-	fmt.Println(m.EventID, m.State, string(m.Payload))
-	_, err := d.Message(context.Background(), "evt-3")
-	fmt.Println(errors.Is(err, outbox.ErrMessageNotFound))
-	// Output:
-	// evt-1 order/42 1 10 broker said no
-	// evt-2 pending {"total":3}
-	// true
 }

@@ -9,8 +9,8 @@
 // dead letters, with a requeue button per row and for a selection; one
 // message whole, with its aggregate's neighbours in sequence order and,
 // when it waits, what holds it back and why; and a search by event id or
-// aggregate. It reads through the dispatcher's inspection methods
-// ([outbox.Dispatcher.Messages], [outbox.Dispatcher.Stats], ...) and
+// aggregate. It reads through [outboxinspect] and
+// [outbox.Dispatcher.Stats], and
 // changes nothing but what [outbox.Dispatcher.Requeue] changes. It never
 // runs the dispatcher.
 //

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 // Defaults of the options.
@@ -89,6 +90,7 @@ var staticFS embed.FS
 // ui is the dashboard of one dispatcher.
 type ui struct {
 	d     *outbox.Dispatcher
+	in    *outboxinspect.Inspector
 	cfg   config
 	pages map[string]*template.Template
 	// session is the value of the session cookie: an HMAC of a fixed
@@ -115,7 +117,7 @@ func Handler(d *outbox.Dispatcher, opts ...Option) http.Handler {
 	if cfg.auth == nil && !cfg.hasToken {
 		return refuse("outboxui: no authentication configured: pass outboxui.WithAuth or outboxui.WithToken to outboxui.Handler; until then every request is refused")
 	}
-	u := &ui{d: d, cfg: cfg, pages: parsePages()}
+	u := &ui{d: d, in: outboxinspect.New(d), cfg: cfg, pages: parsePages()}
 	if cfg.hasToken {
 		m := hmac.New(sha256.New, []byte(cfg.token))
 		m.Write([]byte("outboxui session"))

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 var pageNames = []string{"overview", "dead", "message", "search", "login"}
@@ -120,7 +121,7 @@ func (u *ui) overview(w http.ResponseWriter, r *http.Request) {
 		u.fail(w, r, http.StatusInternalServerError, err)
 		return
 	}
-	buckets, err := u.d.Activity(ctx, time.Minute, 60)
+	buckets, err := u.in.Activity(ctx, time.Minute, 60)
 	if err != nil {
 		u.fail(w, r, http.StatusInternalServerError, err)
 		return
@@ -149,14 +150,14 @@ func (u *ui) overview(w http.ResponseWriter, r *http.Request) {
 }
 
 type deadData struct {
-	Messages []outbox.MessageInfo
+	Messages []outboxinspect.MessageInfo
 	Limit    int
 }
 
 const deadLimit = 500
 
 func (u *ui) dead(w http.ResponseWriter, r *http.Request) {
-	msgs, err := u.d.Messages(r.Context(), outbox.MessageFilter{States: []string{outbox.StateFailed}, Limit: deadLimit})
+	msgs, err := u.in.Messages(r.Context(), outboxinspect.MessageFilter{States: []string{outbox.StateFailed}, Limit: deadLimit})
 	if err != nil {
 		u.fail(w, r, http.StatusInternalServerError, err)
 		return
@@ -196,10 +197,10 @@ func (u *ui) requeue(w http.ResponseWriter, r *http.Request) {
 }
 
 type messageData struct {
-	M          outbox.MessageInfo
+	M          outboxinspect.MessageInfo
 	Payload    string
 	Headers    []header
-	Neighbours []outbox.MessageInfo
+	Neighbours []outboxinspect.MessageInfo
 	Held       string
 	Blocker    string // event id of what holds it back, if anything
 }
@@ -210,8 +211,8 @@ const neighbourSpan = 5
 
 func (u *ui) message(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
-	m, err := u.d.Message(ctx, r.URL.Query().Get("id"))
-	if errors.Is(err, outbox.ErrMessageNotFound) {
+	m, err := u.in.Message(ctx, r.URL.Query().Get("id"))
+	if errors.Is(err, outboxinspect.ErrMessageNotFound) {
 		u.fail(w, r, http.StatusNotFound, err)
 		return
 	}
@@ -224,19 +225,19 @@ func (u *ui) message(w http.ResponseWriter, r *http.Request) {
 		data.Headers = append(data.Headers, header{k, v})
 	}
 	sort.Slice(data.Headers, func(i, j int) bool { return data.Headers[i].Key < data.Headers[j].Key })
-	agg := outbox.MessageFilter{AggregateType: m.AggregateType, AggregateID: m.AggregateID, Order: outbox.SequenceOrder}
+	agg := outboxinspect.MessageFilter{AggregateType: m.AggregateType, AggregateID: m.AggregateID, Order: outboxinspect.SequenceOrder}
 	around := agg
 	around.SequenceFrom, around.SequenceTo, around.Limit = max(1, m.Sequence-neighbourSpan), m.Sequence+neighbourSpan, 2*neighbourSpan+1
-	if data.Neighbours, err = u.d.Messages(ctx, around); err != nil {
+	if data.Neighbours, err = u.in.Messages(ctx, around); err != nil {
 		u.fail(w, r, http.StatusInternalServerError, err)
 		return
 	}
 	ahead := agg
 	ahead.States = []string{outbox.StatePending, outbox.StateDelivering, outbox.StateRetry, outbox.StateFailed}
 	ahead.SequenceTo, ahead.Limit = m.Sequence-1, 1
-	var blockers []outbox.MessageInfo
+	var blockers []outboxinspect.MessageInfo
 	if m.Sequence > 1 && m.State != outbox.StateDelivered {
-		if blockers, err = u.d.Messages(ctx, ahead); err != nil {
+		if blockers, err = u.in.Messages(ctx, ahead); err != nil {
 			u.fail(w, r, http.StatusInternalServerError, err)
 			return
 		}
@@ -252,7 +253,7 @@ func (u *ui) message(w http.ResponseWriter, r *http.Request) {
 // heldBack says where m stands in its aggregate: what it waits for, or
 // what waits for it. blockers holds the first undelivered message before
 // it, if there is one.
-func heldBack(m outbox.MessageInfo, blockers []outbox.MessageInfo, now time.Time) (string, string) {
+func heldBack(m outboxinspect.MessageInfo, blockers []outboxinspect.MessageInfo, now time.Time) (string, string) {
 	if m.State == outbox.StateDelivered {
 		return "Delivered " + ago(m.DeliveredAt, now) + ".", ""
 	}
@@ -319,7 +320,7 @@ func pretty(raw json.RawMessage) string {
 
 type searchData struct {
 	Query    string
-	Messages []outbox.MessageInfo
+	Messages []outboxinspect.MessageInfo
 	Searched bool
 }
 
@@ -335,18 +336,18 @@ func (u *ui) search(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ctx := r.Context()
-	if _, err := u.d.Message(ctx, q); err == nil {
+	if _, err := u.in.Message(ctx, q); err == nil {
 		seeOther(w, "message?id="+url.QueryEscape(q))
 		return
-	} else if !errors.Is(err, outbox.ErrMessageNotFound) {
+	} else if !errors.Is(err, outboxinspect.ErrMessageNotFound) {
 		u.fail(w, r, http.StatusInternalServerError, err)
 		return
 	}
-	f := outbox.MessageFilter{AggregateID: q, Order: outbox.SequenceOrder, Limit: searchLimit}
+	f := outboxinspect.MessageFilter{AggregateID: q, Order: outboxinspect.SequenceOrder, Limit: searchLimit}
 	if typ, id, ok := strings.Cut(q, "/"); ok {
 		f.AggregateType, f.AggregateID = typ, id
 	}
-	msgs, err := u.d.Messages(ctx, f)
+	msgs, err := u.in.Messages(ctx, f)
 	if err != nil {
 		u.fail(w, r, http.StatusInternalServerError, err)
 		return

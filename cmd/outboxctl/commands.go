@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 func statsCmd(g *globals) *cobra.Command {
@@ -60,10 +61,10 @@ func listCmd(g *globals) *cobra.Command {
 					return fmt.Errorf("list: --state %q is none of pending, delivering, delivered, retry, failed", s)
 				}
 			}
-			if l.limit < 1 || l.limit > outbox.MaxMessageLimit {
-				return fmt.Errorf("list: --limit %d is not between 1 and %d", l.limit, outbox.MaxMessageLimit)
+			if l.limit < 1 || l.limit > outboxinspect.MaxMessageLimit {
+				return fmt.Errorf("list: --limit %d is not between 1 and %d", l.limit, outboxinspect.MaxMessageLimit)
 			}
-			f := outbox.MessageFilter{States: l.states, EventTypes: l.types, AggregateType: l.aggType, AggregateID: l.aggID, Limit: l.limit}
+			f := outboxinspect.MessageFilter{States: l.states, EventTypes: l.types, AggregateType: l.aggType, AggregateID: l.aggID, Limit: l.limit}
 			now := time.Now()
 			if l.olderThan > 0 {
 				f.CreatedBefore = now.Add(-l.olderThan)
@@ -73,16 +74,16 @@ func listCmd(g *globals) *cobra.Command {
 			}
 			switch {
 			case l.oldestFirst:
-				f.Order = outbox.OldestFirst
+				f.Order = outboxinspect.OldestFirst
 			case l.inSequenceOrder:
-				f.Order = outbox.SequenceOrder
+				f.Order = outboxinspect.SequenceOrder
 			}
 			d, done, err := g.dispatcher(cmd.Context())
 			if err != nil {
 				return err
 			}
 			defer done()
-			msgs, err := d.Messages(cmd.Context(), f)
+			msgs, err := outboxinspect.New(d).Messages(cmd.Context(), f)
 			if err != nil {
 				return err
 			}
@@ -96,7 +97,7 @@ func listCmd(g *globals) *cobra.Command {
 	fl.StringVar(&l.aggID, "aggregate-id", "", "keep messages of this aggregate id")
 	fl.DurationVar(&l.olderThan, "older-than", 0, "keep messages written longer ago than this, as in 30m or 24h")
 	fl.DurationVar(&l.newerThan, "newer-than", 0, "keep messages written within this much time")
-	fl.IntVar(&l.limit, "limit", outbox.DefaultMessageLimit, "print at most this many messages")
+	fl.IntVar(&l.limit, "limit", outboxinspect.DefaultMessageLimit, "print at most this many messages")
 	fl.BoolVar(&l.oldestFirst, "oldest", false, "oldest first instead of newest first")
 	fl.BoolVar(&l.inSequenceOrder, "sequence-order", false, "by aggregate and sequence, the order of delivery")
 	return cmd
@@ -114,7 +115,7 @@ func showCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer done()
-			m, err := d.Message(cmd.Context(), args[0])
+			m, err := outboxinspect.New(d).Message(cmd.Context(), args[0])
 			if err != nil {
 				return err
 			}
@@ -162,7 +163,7 @@ with --dry-run, which prints the messages that would move.`,
 			}
 			defer done()
 			if dryRun {
-				msgs, err := d.RequeueCandidates(cmd.Context(), f)
+				msgs, err := outboxinspect.New(d).RequeueCandidates(cmd.Context(), f)
 				if err != nil {
 					return err
 				}
@@ -261,7 +262,7 @@ func migrateCmd(g *globals) *cobra.Command {
 
 func checkCmd(g *globals) *cobra.Command {
 	var (
-		o      outbox.CheckOptions
+		o      outboxinspect.CheckOptions
 		noLag  bool
 		maxDue time.Duration
 	)
@@ -299,7 +300,7 @@ once the dispatchers have drained what they could.`,
 				return err
 			}
 			defer done()
-			vs, err := d.Check(cmd.Context(), o)
+			vs, err := outboxinspect.New(d).Check(cmd.Context(), o)
 			if err != nil {
 				return err
 			}
@@ -313,8 +314,8 @@ once the dispatchers have drained what they could.`,
 		},
 	}
 	fl := cmd.Flags()
-	fl.DurationVar(&o.LeaseGrace, "lease-grace", outbox.DefaultCheckLeaseGrace, "how long after its lease ended a delivering message may wait")
-	fl.DurationVar(&maxDue, "max-due-age", outbox.DefaultCheckMaxDueAge, "how long the oldest due message may have waited")
+	fl.DurationVar(&o.LeaseGrace, "lease-grace", outboxinspect.DefaultCheckLeaseGrace, "how long after its lease ended a delivering message may wait")
+	fl.DurationVar(&maxDue, "max-due-age", outboxinspect.DefaultCheckMaxDueAge, "how long the oldest due message may have waited")
 	fl.BoolVar(&noLag, "no-lag", false, "skip the due-age check (for a table no dispatcher drains)")
 	return cmd
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 // ctl runs one outboxctl command line in-process and returns what it
@@ -156,7 +157,7 @@ func eachEngine(t *testing.T, fn func(t *testing.T, f fixture)) {
 
 func eventIDs(t *testing.T, out string) []string {
 	t.Helper()
-	var msgs []outbox.MessageInfo
+	var msgs []outboxinspect.MessageInfo
 	if err := json.Unmarshal([]byte(out), &msgs); err != nil {
 		t.Fatalf("not a JSON list of messages: %v\n%s", err, out)
 	}
@@ -224,7 +225,7 @@ func TestShowPrintsTheWholeMessage(t *testing.T) {
 				t.Fatalf("show lacks %q:\n%s", want, out)
 			}
 		}
-		var m outbox.MessageInfo
+		var m outboxinspect.MessageInfo
 		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--db", f.url, "o2", "-o", "json")), &m); err != nil || m.Attempts != 10 || m.Headers["trace"] != "t-1" {
 			t.Fatalf("show -o json: %+v, %v", m, err)
 		}
@@ -333,16 +334,16 @@ func TestCheckReportsEachPlantedViolationAndExitsTwo(t *testing.T) {
 		kind  string
 		plant func(t *testing.T, f fixture)
 	}{
-		{outbox.ViolationSequenceGap, func(t *testing.T, f fixture) {
+		{outboxinspect.ViolationSequenceGap, func(t *testing.T, f fixture) {
 			f.exec(t, `DELETE FROM outbox_records WHERE event_id = 'a2'`)
 		}},
-		{outbox.ViolationOrder, func(t *testing.T, f fixture) {
+		{outboxinspect.ViolationOrder, func(t *testing.T, f fixture) {
 			f.exec(t, `UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE event_id = 'a2'`, f.ts(time.Now()))
 		}},
-		{outbox.ViolationExpiredLease, func(t *testing.T, f fixture) {
+		{outboxinspect.ViolationExpiredLease, func(t *testing.T, f fixture) {
 			f.exec(t, `UPDATE outbox_records SET delivery_state = 'delivering', locked_until = ? WHERE event_id = 'a1'`, f.ts(time.Now().Add(-time.Hour)))
 		}},
-		{outbox.ViolationDuplicateKey, func(t *testing.T, f fixture) {
+		{outboxinspect.ViolationDuplicateKey, func(t *testing.T, f fixture) {
 			if f.e == outboxtest.Postgres {
 				f.exec(t, `ALTER TABLE outbox_records DROP CONSTRAINT outbox_records_idempotency_key_key`)
 			} else {
@@ -352,7 +353,7 @@ func TestCheckReportsEachPlantedViolationAndExitsTwo(t *testing.T) {
 			}
 			f.exec(t, `UPDATE outbox_records SET idempotency_key = 'same' WHERE event_id IN ('a1', 'a3')`)
 		}},
-		{outbox.ViolationDueAge, func(t *testing.T, f fixture) {
+		{outboxinspect.ViolationDueAge, func(t *testing.T, f fixture) {
 			f.exec(t, `UPDATE outbox_records SET next_attempt_at = ? WHERE event_id = 'a1'`, f.ts(time.Now().Add(-time.Hour)))
 		}},
 	} {
@@ -373,7 +374,7 @@ func TestCheckReportsEachPlantedViolationAndExitsTwo(t *testing.T) {
 					if errOut != "outboxctl: check found violations: 1\n" {
 						t.Fatalf("check stderr %q", errOut)
 					}
-					var vs []outbox.Violation
+					var vs []outboxinspect.Violation
 					out, _, _ = ctl(t, "check", "--db", f.url, "-o", "json")
 					if err := json.Unmarshal([]byte(out), &vs); err != nil || len(vs) != 1 || vs[0].Kind != tc.kind {
 						t.Fatalf("check -o json: %v, %s", err, out)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
 // age formats how long ago t was, "-" for the zero time.
@@ -88,10 +89,10 @@ func timePtr(t time.Time) *time.Time {
 	return &t
 }
 
-func (g *globals) printMessages(msgs []outbox.MessageInfo, now time.Time) error {
+func (g *globals) printMessages(msgs []outboxinspect.MessageInfo, now time.Time) error {
 	if g.output == "json" {
 		if msgs == nil {
-			msgs = []outbox.MessageInfo{}
+			msgs = []outboxinspect.MessageInfo{}
 		}
 		return g.json(msgs)
 	}
@@ -109,7 +110,7 @@ func (g *globals) printMessages(msgs []outbox.MessageInfo, now time.Time) error 
 	return err
 }
 
-func nextAttempt(m outbox.MessageInfo, now time.Time) string {
+func nextAttempt(m outboxinspect.MessageInfo, now time.Time) string {
 	switch m.State {
 	case outbox.StateDelivered, outbox.StateFailed:
 		return "-"
@@ -120,7 +121,7 @@ func nextAttempt(m outbox.MessageInfo, now time.Time) string {
 	return age(m.NextAttemptAt, now)
 }
 
-func (g *globals) printMessage(m outbox.MessageInfo, now time.Time) error {
+func (g *globals) printMessage(m outboxinspect.MessageInfo, now time.Time) error {
 	if g.output == "json" {
 		return g.json(m)
 	}
@@ -170,10 +171,10 @@ func (g *globals) printMessage(m outbox.MessageInfo, now time.Time) error {
 	return err
 }
 
-func (g *globals) printViolations(vs []outbox.Violation) error {
+func (g *globals) printViolations(vs []outboxinspect.Violation) error {
 	if g.output == "json" {
 		if vs == nil {
-			vs = []outbox.Violation{}
+			vs = []outboxinspect.Violation{}
 		}
 		return g.json(vs)
 	}

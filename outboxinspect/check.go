@@ -1,4 +1,4 @@
-package outbox
+package outboxinspect
 
 import (
 	"context"
@@ -11,7 +11,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
-// Kinds of [Violation], one per promise [Dispatcher.Check] verifies.
+// Kinds of [Violation], one per promise [Inspector.Check] verifies.
 const (
 	// ViolationSequenceGap: an aggregate's remaining rows do not count
 	// 1, 2, 3, ... up to the last sequence its sequence row holds (a
@@ -42,7 +42,7 @@ const (
 	CheckViolationLimit = 100
 )
 
-// CheckOptions are the thresholds of [Dispatcher.Check]. The zero value
+// CheckOptions are the thresholds of [Inspector.Check]. The zero value
 // takes the defaults.
 type CheckOptions struct {
 	// LeaseGrace is how long after its lease ended a delivering row may
@@ -55,7 +55,7 @@ type CheckOptions struct {
 	MaxDueAge time.Duration
 }
 
-// Violation is one broken promise that [Dispatcher.Check] found.
+// Violation is one broken promise that [Inspector.Check] found.
 type Violation struct {
 	// Kind is one of the Violation... constants.
 	Kind string `json:"kind"`
@@ -113,7 +113,7 @@ func (v Violation) String() string {
 //
 // It reads the whole table, so run it at human rates. An error means the
 // check could not run, not that the table is unhealthy.
-func (d *Dispatcher) Check(ctx context.Context, o CheckOptions) ([]Violation, error) {
+func (in *Inspector) Check(ctx context.Context, o CheckOptions) ([]Violation, error) {
 	if o.LeaseGrace <= 0 {
 		o.LeaseGrace = DefaultCheckLeaseGrace
 	}
@@ -123,7 +123,7 @@ func (d *Dispatcher) Check(ctx context.Context, o CheckOptions) ([]Violation, er
 	now := time.Now()
 	var out []Violation
 	for _, step := range []func(context.Context, time.Time, CheckOptions) ([]Violation, error){
-		d.checkSequences, d.checkOrder, d.checkLeases, d.checkKeys, d.checkDueAge,
+		in.checkSequences, in.checkOrder, in.checkLeases, in.checkKeys, in.checkDueAge,
 	} {
 		vs, err := step(ctx, now, o)
 		if err != nil {
@@ -134,11 +134,11 @@ func (d *Dispatcher) Check(ctx context.Context, o CheckOptions) ([]Violation, er
 	return out, nil
 }
 
-func (d *Dispatcher) checkSequences(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT r.aggregate_type, r.aggregate_id,
+func (in *Inspector) checkSequences(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
+	rows, err := in.db.Statement.ConnPool.QueryContext(ctx, in.d.Bind(`SELECT r.aggregate_type, r.aggregate_id,
 	min(r.aggregate_sequence), max(r.aggregate_sequence), count(*), count(DISTINCT r.aggregate_sequence),
 	max(s.last_sequence), count(s.last_sequence)
-FROM `+d.t.Records+` r LEFT JOIN `+d.t.Sequences+` s
+FROM `+in.t.Records+` r LEFT JOIN `+in.t.Sequences+` s
 	ON s.aggregate_type = r.aggregate_type AND s.aggregate_id = r.aggregate_id
 GROUP BY r.aggregate_type, r.aggregate_id
 HAVING count(*) <> max(r.aggregate_sequence) - min(r.aggregate_sequence) + 1
@@ -184,10 +184,10 @@ LIMIT ?`), CheckViolationLimit)
 	return out, rows.Err()
 }
 
-func (d *Dispatcher) checkOrder(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT l.aggregate_type, l.aggregate_id, l.event_id,
+func (in *Inspector) checkOrder(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
+	rows, err := in.db.Statement.ConnPool.QueryContext(ctx, in.d.Bind(`SELECT l.aggregate_type, l.aggregate_id, l.event_id,
 	l.aggregate_sequence, min(e.aggregate_sequence), count(*)
-FROM `+d.t.Records+` l JOIN `+d.t.Records+` e
+FROM `+in.t.Records+` l JOIN `+in.t.Records+` e
 	ON e.aggregate_type = l.aggregate_type AND e.aggregate_id = l.aggregate_id
 	AND e.aggregate_sequence < l.aggregate_sequence
 WHERE l.delivery_state = 'delivered' AND e.delivery_state = 'pending' AND e.batch_id IS NULL
@@ -215,13 +215,13 @@ LIMIT ?`), CheckViolationLimit)
 	return out, rows.Err()
 }
 
-func (d *Dispatcher) checkLeases(ctx context.Context, now time.Time, o CheckOptions) ([]Violation, error) {
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT aggregate_type, aggregate_id, event_id, `+
-		d.d.ReadTime("locked_until")+`
-FROM `+d.t.Records+`
+func (in *Inspector) checkLeases(ctx context.Context, now time.Time, o CheckOptions) ([]Violation, error) {
+	rows, err := in.db.Statement.ConnPool.QueryContext(ctx, in.d.Bind(`SELECT aggregate_type, aggregate_id, event_id, `+
+		in.d.ReadTime("locked_until")+`
+FROM `+in.t.Records+`
 WHERE delivery_state = 'delivering' AND (locked_until IS NULL OR locked_until < ?)
 ORDER BY locked_until, id
-LIMIT ?`), d.d.TimeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
+LIMIT ?`), in.d.TimeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
 	if err != nil {
 		return nil, fmt.Errorf("leases: %w", err)
 	}
@@ -247,10 +247,10 @@ LIMIT ?`), d.d.TimeArg(now.Add(-o.LeaseGrace)), CheckViolationLimit)
 	return out, rows.Err()
 }
 
-func (d *Dispatcher) checkKeys(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
+func (in *Inspector) checkKeys(ctx context.Context, _ time.Time, _ CheckOptions) ([]Violation, error) {
 	var out []Violation
 	for _, column := range []string{"idempotency_key", "event_id"} {
-		rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(`SELECT `+column+`, count(*) FROM `+d.t.Records+`
+		rows, err := in.db.Statement.ConnPool.QueryContext(ctx, in.d.Bind(`SELECT `+column+`, count(*) FROM `+in.t.Records+`
 GROUP BY `+column+` HAVING count(*) > 1 ORDER BY `+column+` LIMIT ?`), CheckViolationLimit)
 		if err != nil {
 			return nil, fmt.Errorf("keys: %w", err)
@@ -278,7 +278,7 @@ GROUP BY `+column+` HAVING count(*) > 1 ORDER BY `+column+` LIMIT ?`), CheckViol
 	return out, nil
 }
 
-func (d *Dispatcher) checkDueAge(ctx context.Context, now time.Time, o CheckOptions) ([]Violation, error) {
+func (in *Inspector) checkDueAge(ctx context.Context, now time.Time, o CheckOptions) ([]Violation, error) {
 	if o.MaxDueAge < 0 {
 		return nil, nil
 	}
@@ -286,11 +286,11 @@ func (d *Dispatcher) checkDueAge(ctx context.Context, now time.Time, o CheckOpti
 		v      Violation
 		oldest dialect.Time
 	)
-	err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.Bind(`SELECT aggregate_type, aggregate_id, event_id, `+
-		d.d.ReadTime("next_attempt_at")+` FROM `+d.t.Records+`
+	err := in.db.Statement.ConnPool.QueryRowContext(ctx, in.d.Bind(`SELECT aggregate_type, aggregate_id, event_id, `+
+		in.d.ReadTime("next_attempt_at")+` FROM `+in.t.Records+`
 WHERE delivery_state IN ('pending', 'retry', 'delivering') AND next_attempt_at <= ?
 	AND (delivery_state <> 'delivering' OR locked_until IS NULL OR locked_until <= ?)
-ORDER BY next_attempt_at, id LIMIT 1`), d.d.TimeArg(now), d.d.TimeArg(now)).Scan(&v.AggregateType, &v.AggregateID, &v.EventID, &oldest)
+ORDER BY next_attempt_at, id LIMIT 1`), in.d.TimeArg(now), in.d.TimeArg(now)).Scan(&v.AggregateType, &v.AggregateID, &v.EventID, &oldest)
 	if err != nil {
 		if errors.Is(err, sql.ErrNoRows) {
 			return nil, nil

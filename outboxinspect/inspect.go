@@ -1,4 +1,10 @@
-package outbox
+// Package outboxinspect reads an outbox table for people and the tools
+// they use: the messages a filter selects, one message whole, what a
+// requeue would move, deliveries and failures over time, and a check of
+// the outbox's promises on the live table. outboxctl and the outboxui
+// dashboard are built on it. It only reads: what changes the table
+// (Requeue, RetryFailed, Cleanup) is the dispatcher's.
+package outboxinspect
 
 import (
 	"context"
@@ -9,28 +15,59 @@ import (
 	"strings"
 	"time"
 
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
-// ErrMessageNotFound is returned (wrapped) by [Dispatcher.Message] when no
+// Inspector reads the table of one dispatcher. It holds no connection of
+// its own and is safe for concurrent use.
+type Inspector struct {
+	db         *gorm.DB
+	d          dialect.Dialect
+	t          dialect.Tables
+	sweepLimit int
+}
+
+// New returns an Inspector of d's table, through d's database. d must
+// come from [outbox.NewDispatcher], which refuses the engines the
+// Inspector cannot read; New panics otherwise.
+func New(d *outbox.Dispatcher) *Inspector {
+	db := d.DB()
+	if db == nil {
+		panic("outboxinspect: New: the dispatcher was not made by outbox.NewDispatcher")
+	}
+	dl, err := dialect.For(db)
+	if err != nil {
+		panic(fmt.Sprintf("outboxinspect: New: %v", err))
+	}
+	return &Inspector{db: db, d: dl, t: dl.Tables(d.Table()), sweepLimit: d.SweepLimit()}
+}
+
+// Table returns the name of the outbox table the Inspector reads, as
+// configured (unquoted).
+func (in *Inspector) Table() string { return in.t.Name }
+
+// ErrMessageNotFound is returned (wrapped) by [Inspector.Message] when no
 // row of the outbox table has the event id asked for: it was never
 // written, or Cleanup deleted it after its delivery.
 var ErrMessageNotFound = errors.New("outbox: message not found")
 
-// Limits of [Dispatcher.Messages].
+// Limits of [Inspector.Messages].
 const (
 	// DefaultMessageLimit is how many messages one call of
-	// [Dispatcher.Messages] returns when the filter sets no limit.
+	// [Inspector.Messages] returns when the filter sets no limit.
 	DefaultMessageLimit = 50
 	// MaxMessageLimit is the most messages one call returns, whatever the
 	// filter asks for.
 	MaxMessageLimit = 10000
 )
 
-// MessageOrder is the order of the messages [Dispatcher.Messages] returns.
+// MessageOrder is the order of the messages [Inspector.Messages] returns.
 type MessageOrder int
 
-// The orders of [Dispatcher.Messages].
+// The orders of [Inspector.Messages].
 const (
 	// NewestFirst orders by row id, highest first: the last written first.
 	// It is the default.
@@ -42,12 +79,12 @@ const (
 	SequenceOrder
 )
 
-// MessageFilter selects the rows that [Dispatcher.Messages] returns. Each
+// MessageFilter selects the rows that [Inspector.Messages] returns. Each
 // field that is set narrows the selection; the zero value matches every
 // row and returns the newest [DefaultMessageLimit] of them.
 type MessageFilter struct {
 	// States, when not empty, keeps the rows in one of these delivery
-	// states (StatePending, StateFailed, ...).
+	// states (outbox.StatePending, outbox.StateFailed, ...).
 	States []string
 	// EventIDs, when not empty, keeps these events.
 	EventIDs []string
@@ -96,17 +133,17 @@ type MessageInfo struct {
 
 // messageColumns names every column MessageInfo reads, so that a table
 // with columns added later reads the same.
-func (d *Dispatcher) messageColumns() string {
+func (in *Inspector) messageColumns() string {
 	return `id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence,
-	idempotency_key, payload, headers, delivery_state, delivery_attempts, ` + d.d.ReadTime("next_attempt_at") + `,
-	batch_id, last_error, ` + d.d.ReadTime("locked_until") + `, ` + d.d.ReadTime("occurred_at") + `,
-	` + d.d.ReadTime("created_at") + `, ` + d.d.ReadTime("updated_at") + `, ` + d.d.ReadTime("delivered_at")
+	idempotency_key, payload, headers, delivery_state, delivery_attempts, ` + in.d.ReadTime("next_attempt_at") + `,
+	batch_id, last_error, ` + in.d.ReadTime("locked_until") + `, ` + in.d.ReadTime("occurred_at") + `,
+	` + in.d.ReadTime("created_at") + `, ` + in.d.ReadTime("updated_at") + `, ` + in.d.ReadTime("delivered_at")
 }
 
 // Messages returns the rows that f selects, in f's order. It reads the
 // table only; rows change under it as dispatchers work.
-func (d *Dispatcher) Messages(ctx context.Context, f MessageFilter) ([]MessageInfo, error) {
-	where, args := f.where(d)
+func (in *Inspector) Messages(ctx context.Context, f MessageFilter) ([]MessageInfo, error) {
+	where, args := f.where(in)
 	order := "id DESC"
 	switch f.Order {
 	case OldestFirst:
@@ -119,7 +156,7 @@ func (d *Dispatcher) Messages(ctx context.Context, f MessageFilter) ([]MessageIn
 		limit = DefaultMessageLimit
 	}
 	limit = min(limit, MaxMessageLimit)
-	msgs, err := d.queryMessages(ctx, where, order, limit, args)
+	msgs, err := in.queryMessages(ctx, where, order, limit, args)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: messages: %w", err)
 	}
@@ -128,49 +165,45 @@ func (d *Dispatcher) Messages(ctx context.Context, f MessageFilter) ([]MessageIn
 
 // Message returns the row of the event eventID, or an error wrapping
 // [ErrMessageNotFound] when there is none.
-func (d *Dispatcher) Message(ctx context.Context, eventID string) (MessageInfo, error) {
-	msgs, err := d.queryMessages(ctx, []string{"event_id = ?"}, "id", 1, []any{eventID})
+func (in *Inspector) Message(ctx context.Context, eventID string) (MessageInfo, error) {
+	msgs, err := in.queryMessages(ctx, []string{"event_id = ?"}, "id", 1, []any{eventID})
 	if err != nil {
 		return MessageInfo{}, fmt.Errorf("outbox: message %s: %w", eventID, err)
 	}
 	if len(msgs) == 0 {
-		return MessageInfo{}, fmt.Errorf("%w: no event %q in %s", ErrMessageNotFound, eventID, d.t.Name)
+		return MessageInfo{}, fmt.Errorf("%w: no event %q in %s", ErrMessageNotFound, eventID, in.t.Name)
 	}
 	return msgs[0], nil
 }
 
-// RequeueCandidates returns the failed rows that [Dispatcher.Requeue] with
+// RequeueCandidates returns the failed rows that [outbox.Dispatcher.Requeue] with
 // f would move now, in the order it takes them (oldest failure first) and
 // with its limit: what a dry run shows.
-func (d *Dispatcher) RequeueCandidates(ctx context.Context, f RequeueFilter) ([]MessageInfo, error) {
-	mf := MessageFilter{States: []string{StateFailed}, EventIDs: f.EventIDs, EventTypes: f.EventTypes}
-	where, args := mf.where(d)
+func (in *Inspector) RequeueCandidates(ctx context.Context, f outbox.RequeueFilter) ([]MessageInfo, error) {
+	mf := MessageFilter{States: []string{outbox.StateFailed}, EventIDs: f.EventIDs, EventTypes: f.EventTypes}
+	where, args := mf.where(in)
 	if !f.FailedBefore.IsZero() {
 		where = append(where, "updated_at < ?")
-		args = append(args, d.d.TimeArg(f.FailedBefore))
+		args = append(args, in.d.TimeArg(f.FailedBefore))
 	}
 	limit := f.Limit
 	if limit <= 0 {
-		limit = d.sweepLimit
+		limit = in.sweepLimit
 	}
-	msgs, err := d.queryMessages(ctx, where, "updated_at, id", limit, args)
+	msgs, err := in.queryMessages(ctx, where, "updated_at, id", limit, args)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: requeue candidates: %w", err)
 	}
 	return msgs, nil
 }
 
-// Table returns the name of the outbox table the dispatcher works on, as
-// configured (unquoted).
-func (d *Dispatcher) Table() string { return d.t.Name }
-
 // where returns f's conditions and their arguments.
-func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
+func (f MessageFilter) where(in *Inspector) ([]string, []any) {
 	var (
 		where []string
 		args  []any
 	)
-	in := func(column string, values []string) {
+	oneOf := func(column string, values []string) {
 		if len(values) == 0 {
 			return
 		}
@@ -179,9 +212,9 @@ func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
 			args = append(args, v)
 		}
 	}
-	in("delivery_state", f.States)
-	in("event_id", f.EventIDs)
-	in("event_type", f.EventTypes)
+	oneOf("delivery_state", f.States)
+	oneOf("event_id", f.EventIDs)
+	oneOf("event_type", f.EventTypes)
 	if f.AggregateType != "" {
 		where = append(where, "aggregate_type = ?")
 		args = append(args, f.AggregateType)
@@ -192,11 +225,11 @@ func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
 	}
 	if !f.CreatedBefore.IsZero() {
 		where = append(where, "created_at < ?")
-		args = append(args, d.d.TimeArg(f.CreatedBefore))
+		args = append(args, in.d.TimeArg(f.CreatedBefore))
 	}
 	if !f.CreatedAfter.IsZero() {
 		where = append(where, "created_at >= ?")
-		args = append(args, d.d.TimeArg(f.CreatedAfter))
+		args = append(args, in.d.TimeArg(f.CreatedAfter))
 	}
 	if f.SequenceFrom != 0 {
 		where = append(where, "aggregate_sequence >= ?")
@@ -209,13 +242,13 @@ func (f MessageFilter) where(d *Dispatcher) ([]string, []any) {
 	return where, args
 }
 
-func (d *Dispatcher) queryMessages(ctx context.Context, where []string, order string, limit int, args []any) ([]MessageInfo, error) {
-	q := `SELECT ` + d.messageColumns() + ` FROM ` + d.t.Records
+func (in *Inspector) queryMessages(ctx context.Context, where []string, order string, limit int, args []any) ([]MessageInfo, error) {
+	q := `SELECT ` + in.messageColumns() + ` FROM ` + in.t.Records
 	if len(where) > 0 {
 		q += ` WHERE ` + strings.Join(where, " AND ")
 	}
 	q += ` ORDER BY ` + order + ` LIMIT ?`
-	rows, err := d.db.Statement.ConnPool.QueryContext(ctx, d.d.Bind(q), append(args, limit)...)
+	rows, err := in.db.Statement.ConnPool.QueryContext(ctx, in.d.Bind(q), append(args, limit)...)
 	if err != nil {
 		return nil, err
 	}
@@ -249,7 +282,7 @@ func (d *Dispatcher) queryMessages(ctx context.Context, where []string, order st
 }
 
 // ActivityBucket counts what happened to messages in one interval of
-// [Dispatcher.Activity].
+// [Inspector.Activity].
 type ActivityBucket struct {
 	// Start is when the interval begins; it ends where the next begins.
 	Start time.Time `json:"start"`
@@ -265,9 +298,9 @@ type ActivityBucket struct {
 // for its latest delivery or failure: a row that failed and was delivered
 // later counts as delivered only, and delivered rows that Cleanup deleted
 // count no more. n must be between 1 and 1000 and step positive.
-func (d *Dispatcher) Activity(ctx context.Context, step time.Duration, n int) ([]ActivityBucket, error) {
+func (in *Inspector) Activity(ctx context.Context, step time.Duration, n int) ([]ActivityBucket, error) {
 	if step <= 0 || n < 1 || n > 1000 {
-		return nil, fmt.Errorf("%w: Activity: step %v and %d intervals", ErrInvalidOption, step, n)
+		return nil, fmt.Errorf("%w: Activity: step %v and %d intervals", outbox.ErrInvalidOption, step, n)
 	}
 	end := time.Now()
 	start := end.Add(-step * time.Duration(n))
@@ -284,16 +317,16 @@ func (d *Dispatcher) Activity(ctx context.Context, step time.Duration, n int) ([
 			if i+1 < n {
 				to = buckets[i+1].Start
 			}
-			args = append(args, d.d.TimeArg(buckets[i].Start), d.d.TimeArg(to))
+			args = append(args, in.d.TimeArg(buckets[i].Start), in.d.TimeArg(to))
 		}
-		args = append(args, d.d.TimeArg(start))
+		args = append(args, in.d.TimeArg(start))
 		dest := make([]any, n)
 		vals := make([]sql.NullInt64, n)
 		for i := range vals {
 			dest[i] = &vals[i]
 		}
-		if err := d.db.Statement.ConnPool.QueryRowContext(ctx, d.d.Bind(`SELECT `+strings.Join(sums, ", ")+
-			` FROM `+d.t.Records+` WHERE `+cond+` AND `+column+` >= ?`), args...).Scan(dest...); err != nil {
+		if err := in.db.Statement.ConnPool.QueryRowContext(ctx, in.d.Bind(`SELECT `+strings.Join(sums, ", ")+
+			` FROM `+in.t.Records+` WHERE `+cond+` AND `+column+` >= ?`), args...).Scan(dest...); err != nil {
 			return fmt.Errorf("outbox: activity: %w", err)
 		}
 		for i, v := range vals {
