@@ -217,7 +217,7 @@ func loadOutboxMySQL(ctx context.Context, db *sql.DB, n, aggregates int) error {
 }
 
 // The raw loop's statements on MySQL: those of the outbox's claim and
-// settle (the library's dialect_mysql.go) but for the order check.
+// settle (the library's internal/dialect/mysql.go) but for the order check.
 const (
 	rawMySQLWindow = `SELECT id FROM outbox_records WHERE due_at <= ? ORDER BY due_at, id LIMIT ? FOR UPDATE SKIP LOCKED`
 	rawMySQLLease  = `UPDATE outbox_records x JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) j ON x.id = j.id

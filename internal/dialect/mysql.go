@@ -14,9 +14,10 @@ import (
 
 // The MySQL dialect: MySQL 8.0+ and MariaDB 10.6+ (they brought SKIP
 // LOCKED and JSON_TABLE), through gorm.io/driver/mysql, tested on MariaDB
-// 10.11. The write is in dialect_mysql_write.go, the transactions in
-// dialect_mysql_tx.go. The schema (migrations/mysql) says why keys are
-// VARBINARY and which generated columns stand in for partial indexes.
+// 10.11. The write is in mysql_write.go (and what the plugin asks of it
+// in mysql_plugin.go), the transactions in mysql_tx.go. The schema
+// (migrations/mysql) says why keys are VARBINARY and which generated
+// columns stand in for partial indexes.
 //
 // Claimable rows are those with due_at <= now: the generated column folds
 // the state, next_attempt_at and locked_until into one time, so that the

@@ -14,7 +14,7 @@ import (
 // mysqlDialect is MySQL 8.0+ and MariaDB 10.6+ through gorm.io/driver/mysql
 // (github.com/go-sql-driver/mysql), tested on MariaDB.
 type mysqlDialect struct {
-	mariadb bool // the server is MariaDB (write_mysql.go)
+	mariadb bool // the server is MariaDB (mysql_plugin.go)
 }
 
 // TimeArg: DATETIME(6) keeps microseconds, and MySQL rounds finer digits
