@@ -82,5 +82,16 @@
 // MySQL 8.0+ and MariaDB 10.6+ are production engines too (tested on
 // MariaDB): claims run under READ COMMITTED with SKIP LOCKED, and updates
 // of emitting models lock and read their rows, since neither engine has
-// UPDATE ... RETURNING.
+// UPDATE ... RETURNING. Each engine's SQL is in one file of
+// internal/dialect, behind the one interface the write and delivery paths
+// call.
+//
+// # Around the core
+//
+// Package outboxinspect reads the table for people and tools (messages by
+// filter, one message whole, activity, and a check of these promises on
+// the live table); cmd/outboxctl and the outboxui dashboard are built on
+// it. Broker publishers, metrics, traces and the inbox for consumers live
+// in packages of their own, so that a program importing only this one
+// builds none of their dependencies.
 package outbox
