@@ -321,12 +321,14 @@ func rawOnceMySQL(ctx context.Context, db *sql.DB, batch int) (int, error) {
 
 // againAfterLockConflicts runs fn, a whole transaction or a statement of
 // its own, again while the server ends it for a deadlock or a lock wait
-// timeout, as the library's dispatcher does.
+// timeout, as the library's dispatcher does (which, after its own five
+// tries, tries again at its next claim: the loop has no next claim for
+// the same rows, so it tries longer).
 func againAfterLockConflicts(fn func() error) error {
 	for attempt := 0; ; attempt++ {
 		err := fn()
 		var me *mysqldriver.MySQLError
-		if !errors.As(err, &me) || (me.Number != 1213 && me.Number != 1205) || attempt == 5 {
+		if !errors.As(err, &me) || (me.Number != 1213 && me.Number != 1205) || attempt == 50 {
 			return err
 		}
 		time.Sleep(time.Duration(attempt+1) * time.Millisecond)

@@ -110,7 +110,7 @@ ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,
 		WindowShard: `SELECT id, aggregate_type, aggregate_id, aggregate_sequence FROM ` + r + `
-WHERE due_at <= ?1 AND (CRC32(CONCAT(aggregate_type, '/', aggregate_id)) & 7) = ?3
+WHERE shard = ?3 AND due_at <= ?1
 ORDER BY due_at, id
 LIMIT ?2
 FOR UPDATE SKIP LOCKED`,

@@ -77,7 +77,9 @@ func (postgresDialect) Statements(t Tables) Statements {
 		Claim: pgClaim(r, ""),
 
 		// claimShard is claim with its window limited to one shard ($5) of
-		// the aggregates, by a hash of aggregate type and id.
+		// the aggregates, by a hash of aggregate type and id: the
+		// expression of the index outbox_records_due_shard (migration 3),
+		// which serves the window in its order.
 		ClaimShard: pgClaim(r, `
 		AND (hashtext(aggregate_type || '/' || aggregate_id) & 7) = $5`),
 

@@ -1,0 +1,4 @@
+-- gorm-outbox schema, version 3: the shards' window.
+-- Nothing changes on SQLite: its claims hold the database's write lock,
+-- never overlap, and never claim by shard. The version is kept so that
+-- every engine's schema has the same versions.
