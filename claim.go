@@ -42,7 +42,7 @@ import (
 //     lowest one is delivered or gone (one lookup for all the aggregates);
 //  3. the lease of exactly those rows.
 //
-// On PostgreSQL the three are one statement (statements.claim), whose
+// On PostgreSQL the three are one statement (Statements.Claim), whose
 // check is SQL: a row is kept when its offset from its aggregate's lowest
 // sequence in the window equals its rank there. Elsewhere they are three
 // statements in ClaimTx, and pickOldest checks the window in Go.
@@ -120,6 +120,7 @@ func (d *Dispatcher) claim(ctx context.Context) (claimResult, error) {
 		})
 	}
 	if err != nil {
+		d.shard.Store(0) // the next claim starts again from every aggregate
 		return claimResult{}, fmt.Errorf("outbox: claim: %w", err)
 	}
 	sort.Slice(r.rows, func(i, j int) bool { return r.rows[i].id < r.rows[j].id })

@@ -21,8 +21,8 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
-// TestDialectConformance is the contract of the dialect seam (dialect.go):
-// every method of dialect, and every statement an engine returns, called
+// TestDialectConformance is the contract of the dialect seam
+// (internal/dialect): every method of Dialect, and every statement an engine returns, called
 // directly with plain values on a fresh database of each engine and held
 // to what its doc comment says. The behaviour suite tests the library
 // through the plugin and the dispatcher; this test pins the seam beneath

@@ -105,7 +105,7 @@ type Dispatcher struct {
 	wake      chan struct{}
 	inProcess atomic.Bool  // Run is woken by in-process writes
 	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
-	shard     atomic.Int32 // 0: claims read every aggregate; s > 0: shard s-1 only (claimShard)
+	shard     atomic.Int32 // 0: claims read every aggregate; s > 0: shard s-1 only (ClaimShard, WindowShard)
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].

@@ -82,9 +82,9 @@
 // MySQL 8.0+ and MariaDB 10.6+ are production engines too (tested on
 // MariaDB): claims run under READ COMMITTED with SKIP LOCKED, and updates
 // of emitting models lock and read their rows, since neither engine has
-// UPDATE ... RETURNING. Each engine's SQL is in one file of
-// internal/dialect, behind the one interface the write and delivery paths
-// call.
+// UPDATE ... RETURNING. The engines' SQL of the delivery path and the
+// migrator lives in internal/dialect, one file per engine, behind the one
+// interface the write and delivery paths call.
 //
 // # Around the core
 //

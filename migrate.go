@@ -95,7 +95,12 @@ func statementsOf(m migration, t dialect.Tables) []string {
 //
 // It is safe to call at every start-up and from many processes at once:
 // they queue on a lock (an advisory lock on PostgreSQL, the database's
-// write lock on SQLite), and all but the first find nothing to do. A
+// write lock on SQLite, GET_LOCK on MySQL), and all but the first find
+// nothing to do. On PostgreSQL and SQLite each version applies in one
+// transaction; MySQL commits each DDL statement on its own, so a process
+// that dies between a version's statements and its record leaves a
+// version that the next AutoMigrate cannot apply again (it fails with a
+// duplicate column): drop what it added, or record the version by hand. A
 // table created before migrations were versioned is upgraded in place:
 // its first version's statements find everything there, and later ones
 // add what is new, keeping every row.

@@ -436,8 +436,8 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned
 		slices.Sort(want)
 		for name, cols := range unique {
 			if !slices.Equal(cols, want) {
-				return refuse(fmt.Sprintf("the table's unique key %s (%s) is not the conflict key (%s), and the upsert fires on either",
-					name, strings.Join(cols, ", "), strings.Join(want, ", ")))
+				return fmt.Errorf("%w: upsert of %s on %s: the table's unique key %s (%s) is not the conflict key (%s), and the upsert fires on either, even for one row; run the statement through outbox.WithoutEvents and record events with outbox.Publish",
+					ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), name, strings.Join(cols, ", "), strings.Join(want, ", "))
 			}
 		}
 	}

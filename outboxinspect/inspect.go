@@ -34,10 +34,10 @@ type Inspector struct {
 // come from [outbox.NewDispatcher], which refuses the engines the
 // Inspector cannot read; New panics otherwise.
 func New(d *outbox.Dispatcher) *Inspector {
-	db := d.DB()
-	if db == nil {
+	if d == nil || d.DB() == nil {
 		panic("outboxinspect: New: the dispatcher was not made by outbox.NewDispatcher")
 	}
+	db := d.DB()
 	dl, err := dialect.For(db)
 	if err != nil {
 		panic(fmt.Sprintf("outboxinspect: New: %v", err))

@@ -108,8 +108,8 @@ func Handler(d *outbox.Dispatcher, opts ...Option) http.Handler {
 	for _, opt := range opts {
 		opt(&cfg)
 	}
-	if d == nil {
-		cfg.problems = append(cfg.problems, "Handler: nil dispatcher")
+	if d == nil || d.DB() == nil {
+		cfg.problems = append(cfg.problems, "Handler: no dispatcher made by outbox.NewDispatcher")
 	}
 	if len(cfg.problems) > 0 {
 		return refuse("outboxui: invalid configuration: " + strings.Join(cfg.problems, "; "))
