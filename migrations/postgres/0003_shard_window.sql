@@ -13,6 +13,3 @@ CREATE INDEX IF NOT EXISTS outbox_records_due_shard ON outbox_records
 
 CREATE STATISTICS IF NOT EXISTS outbox_records_shard
 	ON (hashtext(aggregate_type || '/' || aggregate_id) & 7) FROM outbox_records;
-
--- Fill the statistics now rather than at autovacuum's next analyze.
-ANALYZE outbox_records;
