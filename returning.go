@@ -441,7 +441,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned
 			}
 		}
 	}
-	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.Bind, kr.Lock, kr.RowList)
+	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.Bind, kr)
 	if err != nil {
 		return fmt.Errorf("outbox: upsert of %s: read the existing rows: %w", stmt.Schema.Name, err)
 	}
@@ -665,11 +665,10 @@ func modelsOf(stmt *gorm.Statement) []reflect.Value {
 const existingChunk = 200
 
 // readExistingKeys reads which of the models' values of keys exist in the
-// statement's table, with lock appended to each read (a row lock where the
-// engine has one), and returns them as keyText keys. The keys are listed
-// as VALUES, or with rowList as a list of row constructors (MariaDB
-// answers `(a) IN (VALUES (?))` with no rows in a prepared statement).
-func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value, bind func(string) string, lock string, rowList bool) (map[string]bool, error) {
+// statement's table, as kr says: with its Lock appended to each read, and
+// the keys listed as VALUES or, with RowList, as row constructors. It
+// returns them as keyText keys.
+func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statement, keys []*schema.Field, models []reflect.Value, bind func(string) string, kr dialect.KeyReads) (map[string]bool, error) {
 	var cols strings.Builder
 	for i, f := range keys {
 		if i > 0 {
@@ -679,7 +678,7 @@ func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statem
 	}
 	tuple := "(?" + strings.Repeat(", ?", len(keys)-1) + ")"
 	values := "VALUES "
-	if rowList {
+	if kr.RowList {
 		values = ""
 	}
 	existing := make(map[string]bool)
@@ -693,7 +692,7 @@ func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statem
 			}
 		}
 		query := "SELECT " + cols.String() + " FROM " + stmt.Quote(stmt.Table) +
-			" WHERE (" + cols.String() + ") IN (" + values + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + lock
+			" WHERE (" + cols.String() + ") IN (" + values + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + kr.Lock
 		rows, err := conn.QueryContext(ctx, bind(query), args...)
 		if err != nil {
 			return nil, err

@@ -11,6 +11,7 @@ package dialect
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -315,6 +316,33 @@ func TablesFor(name string) Tables {
 }
 
 func quote(ident string) string { return `"` + ident + `"` }
+
+// jsonList encodes a list as JSON text, for the engines that read lists
+// with json_each (SQLite) or JSON_TABLE (MySQL).
+func jsonList(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("outbox: encode a list: %v", err)) // lists of ids and strings always encode
+	}
+	return string(b)
+}
+
+// jsonTexts is TextList as JSON text: nil (any) stays NULL.
+func jsonTexts(s []string) any {
+	if s == nil {
+		return nil
+	}
+	return jsonList(s)
+}
+
+// jsonEvents is EventList as JSON text: one [type, id, seq] per event.
+func jsonEvents(events []Position) []any {
+	list := make([][3]any, len(events))
+	for i, e := range events {
+		list[i] = [3]any{e.Aggregate.Type, e.Aggregate.ID, e.Seq}
+	}
+	return []any{jsonList(list)}
+}
 
 // BindNumbered rewrites ? placeholders into $1, $2, ... The statements it
 // is given never contain a literal question mark.

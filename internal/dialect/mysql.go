@@ -3,7 +3,6 @@ package dialect
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -60,30 +59,11 @@ func (mysqlDialect) Bind(query string) string { return query }
 // Time refuses that.
 func (mysqlDialect) ReadTime(column string) string { return column }
 
-func (mysqlDialect) IDList(ids []int64) any { return mysqlJSON(ids) }
+func (mysqlDialect) IDList(ids []int64) any { return jsonList(ids) }
 
-func (mysqlDialect) TextList(s []string) any {
-	if s == nil {
-		return nil
-	}
-	return mysqlJSON(s)
-}
+func (mysqlDialect) TextList(s []string) any { return jsonTexts(s) }
 
-func (mysqlDialect) EventList(events []Position) []any {
-	list := make([][3]any, len(events))
-	for i, e := range events {
-		list[i] = [3]any{e.Aggregate.Type, e.Aggregate.ID, e.Seq}
-	}
-	return []any{mysqlJSON(list)}
-}
-
-func mysqlJSON(v any) string {
-	b, err := json.Marshal(v)
-	if err != nil {
-		panic(fmt.Sprintf("outbox: encode a list: %v", err)) // lists of ids and strings always encode
-	}
-	return string(b)
-}
+func (mysqlDialect) EventList(events []Position) []any { return jsonEvents(events) }
 
 // The columns JSON_TABLE reads a list into, and a time argument of p.
 const (

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -36,30 +35,11 @@ func (sqliteDialect) TimeArg(t time.Time) any { return t.UTC().Format(sqliteTime
 // column's text that it cannot parse as the zero time, without an error.
 func (sqliteDialect) ReadTime(column string) string { return "CAST(" + column + " AS TEXT)" }
 
-func (sqliteDialect) IDList(ids []int64) any { return jsonText(ids) }
+func (sqliteDialect) IDList(ids []int64) any { return jsonList(ids) }
 
-func (sqliteDialect) TextList(s []string) any {
-	if s == nil {
-		return nil
-	}
-	return jsonText(s)
-}
+func (sqliteDialect) TextList(s []string) any { return jsonTexts(s) }
 
-func (sqliteDialect) EventList(events []Position) []any {
-	list := make([][3]any, len(events))
-	for i, e := range events {
-		list[i] = [3]any{e.Aggregate.Type, e.Aggregate.ID, e.Seq}
-	}
-	return []any{jsonText(list)}
-}
-
-func jsonText(v any) string {
-	b, err := json.Marshal(v)
-	if err != nil {
-		panic(fmt.Sprintf("outbox: encode a list: %v", err)) // lists of ids and strings always encode
-	}
-	return string(b)
-}
+func (sqliteDialect) EventList(events []Position) []any { return jsonEvents(events) }
 
 // Statements. Placeholders are numbered (?1, ?2, ...) so that an argument
 // serves twice. Nothing locks rows: ClaimTx holds the database.
