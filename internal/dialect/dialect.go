@@ -344,9 +344,9 @@ func jsonEvents(events []Position) []any {
 	return []any{jsonList(list)}
 }
 
-// BindNumbered rewrites ? placeholders into $1, $2, ... The statements it
+// bindNumbered rewrites ? placeholders into $1, $2, ... The statements it
 // is given never contain a literal question mark.
-func BindNumbered(query string) string {
+func bindNumbered(query string) string {
 	var b strings.Builder
 	b.Grow(len(query) + 16)
 	n := 0
@@ -372,11 +372,11 @@ func releaseSequence(ctx context.Context, d Dialect, conn gorm.ConnPool, t Table
 	return err
 }
 
-// InTx runs fn in a transaction begun on db's pool (with opts, nil for the
+// inTx runs fn in a transaction begun on db's pool (with opts, nil for the
 // defaults): a *sql.DB, or a pool of the user's own that can begin one.
 // It commits when fn succeeds and rolls back otherwise; a rollback that
 // fails discards the connection where the pool can tell.
-func InTx(ctx context.Context, db *gorm.DB, opts *sql.TxOptions, fn func(q Querier) error) (err error) {
+func inTx(ctx context.Context, db *gorm.DB, opts *sql.TxOptions, fn func(q Querier) error) (err error) {
 	var (
 		tx interface {
 			Querier
@@ -417,21 +417,21 @@ func InTx(ctx context.Context, db *gorm.DB, opts *sql.TxOptions, fn func(q Queri
 	return tx.Commit()
 }
 
-// LockRetries is how many times the dispatcher's own transactions and
+// lockRetries is how many times the dispatcher's own transactions and
 // statements run again after the server ended them for a
 // deadlock or a lock wait timeout.
-const LockRetries = 5
+const lockRetries = 5
 
 // RetryLocks runs fn, again after a short pause while it fails with a lock
 // conflict that d reports (dialect.LockConflict; never on PostgreSQL or
-// SQLite), up to LockRetries more times. fn must be a whole transaction
+// SQLite), up to lockRetries more times. fn must be a whole transaction
 // or a statement that runs on its own: one that failed left nothing
 // behind. Business transactions are never retried here: their caller
 // gets the driver's error.
 func RetryLocks(ctx context.Context, d Dialect, fn func() error) error {
 	for attempt := 0; ; attempt++ {
 		err := fn()
-		if err == nil || !d.LockConflict(err) || attempt == LockRetries {
+		if err == nil || !d.LockConflict(err) || attempt == lockRetries {
 			return err
 		}
 		// A pause that grows, and differs between the two sides of a

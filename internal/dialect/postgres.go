@@ -27,7 +27,7 @@ func (postgresDialect) Name() string { return "postgres" }
 
 func (postgresDialect) Tables(name string) Tables { return TablesFor(name) }
 
-func (postgresDialect) Bind(query string) string { return BindNumbered(query) }
+func (postgresDialect) Bind(query string) string { return bindNumbered(query) }
 
 func (postgresDialect) TimeArg(t time.Time) any { return t.UTC() }
 
@@ -229,7 +229,7 @@ FROM (SELECT 1) one LEFT JOIN leased ON true`
 // what committed after its first one, and its lock statement would fail
 // with a serialization error on a row another claim leased meanwhile.
 func (postgresDialect) ClaimTx(ctx context.Context, db *gorm.DB, fn func(q Querier) error) error {
-	return InTx(ctx, db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, fn)
+	return inTx(ctx, db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, fn)
 }
 
 // MigrateTx: DDL is transactional on PostgreSQL, so the whole migration
@@ -239,7 +239,7 @@ func (postgresDialect) ClaimTx(ctx context.Context, db *gorm.DB, fn func(q Queri
 func (postgresDialect) MigrateTx(ctx context.Context, db *gorm.DB, t Tables, fn func(q Querier) error) error {
 	h := fnv.New32a()
 	h.Write([]byte("gorm-outbox:" + t.Name))
-	return InTx(ctx, db, nil, func(q Querier) error {
+	return inTx(ctx, db, nil, func(q Querier) error {
 		if _, err := q.ExecContext(ctx, `SELECT pg_advisory_xact_lock(`+strconv.FormatUint(uint64(h.Sum32()), 10)+`)`); err != nil {
 			return err
 		}
