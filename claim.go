@@ -135,18 +135,24 @@ func (d *Dispatcher) shardable() bool {
 	return d.st.ClaimShard != "" || d.st.WindowShard != ""
 }
 
+// shardClaims is how many full claims in a row a dispatcher takes from
+// one shard before it moves on to the next.
+const shardClaims = 8
+
 // nextShard sets what the next claim reads, after a claim of shard (-1:
 // every aggregate) that saw seen rows in its window and took took of
 // them. Dispatchers that claim from every aggregate hold each other back:
 // each window starts with the rows of aggregates that other dispatchers'
 // batches hold. A claim whose full window was held back that way moves
-// to a shard; in a shard it goes on to the next one while they fill its
-// batches, jumps to a random one when another claim holds its shard, and
-// returns to every aggregate once a shard has fewer due rows than a
-// batch. One dispatcher is never held back by another, and so never
-// claims by shard; a shard's rows are still taken oldest first, and since
-// a dispatcher goes through the shards in turn, no shard waits for the
-// others' backlogs to drain.
+// to a shard. In a shard, a dispatcher stays while its claims fill their
+// batches, so that its next window begins behind its own settled batch
+// rather than another's in flight, and moves on to the next shard after
+// shardClaims of them; it jumps to a random shard when another claim
+// holds its own, and returns to every aggregate once a shard has fewer
+// due rows than a batch. One dispatcher is never held back by another,
+// and so never claims by shard; a shard's rows are still taken oldest
+// first, and since a dispatcher goes through the shards in turn, no shard
+// waits for the others' backlogs to drain.
 func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
 	if !d.shardable() {
 		return
@@ -160,8 +166,12 @@ func (d *Dispatcher) nextShard(shard, seen, took int, blocked bool) {
 	case took < seen:
 		d.shard.Store(rand.Int32N(dialect.Shards) + 1)
 	default:
+		if d.shardRun.Add(1) < shardClaims {
+			return
+		}
 		d.shard.Store(int32(shard+1)%dialect.Shards + 1)
 	}
+	d.shardRun.Store(0)
 }
 
 // leaseOldest leases, in q's transaction, the rows of the window win that

@@ -106,6 +106,7 @@ type Dispatcher struct {
 	inProcess atomic.Bool  // Run is woken by in-process writes
 	lastPark  atomic.Int64 // unix nanoseconds of the last parkBlocked
 	shard     atomic.Int32 // 0: claims read every aggregate; s > 0: shard s-1 only (ClaimShard, WindowShard)
+	shardRun  atomic.Int32 // full claims in a row from the current shard
 }
 
 // DispatcherOption configures a [Dispatcher]; see [NewDispatcher].
