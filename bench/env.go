@@ -64,14 +64,21 @@ func (e *env) close() {
 	os.RemoveAll(e.tmp)
 }
 
-// describe names the server and the machine, for the header of the output.
+// describe names the server and the machine, for the header of the output,
+// and warns when the server does not run autovacuum.
 func (e *env) describe(ctx context.Context) string {
 	var version string
 	if err := e.admin.QueryRowContext(ctx, `SHOW server_version`).Scan(&version); err != nil {
 		version = "unknown"
 	}
 	host, _ := os.Hostname()
-	return fmt.Sprintf("PostgreSQL %s; host %s, %d CPUs", version, host, numCPU())
+	s := fmt.Sprintf("PostgreSQL %s; host %s, %d CPUs", version, host, numCPU())
+	var autovacuum string
+	if err := e.admin.QueryRowContext(ctx, `SHOW autovacuum`).Scan(&autovacuum); err == nil && autovacuum != "on" {
+		s += "\nautovacuum is off on this server, unlike a production one: the planner's statistics go stale" +
+			" and the figures mislead (ALTER SYSTEM SET autovacuum = on; SELECT pg_reload_conf())"
+	}
+	return s
 }
 
 var schemaSeq atomic.Int64

@@ -109,6 +109,8 @@ func mysqlWorkHeader() []string {
 		switch name {
 		case "tx/event (server)":
 			h[i] = "engine commits/event (server)"
+		case "buffers/event (least)":
+			h[i] = "buffers/event (PostgreSQL only)"
 		case "WAL bytes/event (least)":
 			h[i] = "redo bytes/event (least)"
 		}

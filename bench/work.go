@@ -28,6 +28,11 @@ import (
 //     database of its own for a clean figure);
 //   - rows written: n_tup_ins + n_tup_upd + n_tup_del of the tables in the
 //     drain's schema (pg_stat_user_tables), which no other session writes;
+//   - buffers: the shared buffers that statements touched in the drain's
+//     tables and their indexes, found in memory or read
+//     (pg_statio_user_tables), which measures how much a statement reads,
+//     where the other counts only see that it ran. Autovacuum's reads of
+//     the tables count too, so the table shows the least over the drains;
 //   - WAL bytes: how far pg_current_wal_insert_lsn() moved during the drain
 //     (what pg_stat_wal.wal_bytes sums, read without its flush delay). WAL
 //     is the whole server's, so other sessions on the machine add to it:
@@ -85,8 +90,8 @@ func (t workTracer) endOf(conn *pgx.Conn) {
 
 // workSample is the counters at one moment.
 type workSample struct {
-	statements, roundTrips, clientTx int64
-	serverTx, rows, walBytes         int64
+	statements, roundTrips, clientTx  int64
+	serverTx, rows, buffers, walBytes int64
 }
 
 // serverWork is what a drain asked of the server: the difference of two
@@ -102,7 +107,7 @@ type serverWork struct {
 func (s workSample) sub(o workSample) workSample {
 	return workSample{
 		statements: s.statements - o.statements, roundTrips: s.roundTrips - o.roundTrips, clientTx: s.clientTx - o.clientTx,
-		serverTx: s.serverTx - o.serverTx, rows: s.rows - o.rows, walBytes: s.walBytes - o.walBytes,
+		serverTx: s.serverTx - o.serverTx, rows: s.rows - o.rows, buffers: s.buffers - o.buffers, walBytes: s.walBytes - o.walBytes,
 	}
 }
 
@@ -129,7 +134,9 @@ func (s *schema) sampleWork(ctx context.Context) (workSample, error) {
 	err := s.e.admin.QueryRowContext(ctx, `SELECT
 	(SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()),
 	(SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables WHERE schemaname = $1),
-	pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint`, s.name).Scan(&w.serverTx, &w.rows, &w.walBytes)
+	(SELECT coalesce(sum(heap_blks_read + heap_blks_hit + coalesce(idx_blks_read + idx_blks_hit, 0)), 0)
+		FROM pg_statio_user_tables WHERE schemaname = $1),
+	pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint`, s.name).Scan(&w.serverTx, &w.rows, &w.buffers, &w.walBytes)
 	if err != nil {
 		return workSample{}, fmt.Errorf("sample work: %w", err)
 	}
@@ -165,7 +172,7 @@ func measureWork(ctx context.Context, s *schema, db *sql.DB, drain func() (drain
 func workRow(system, config string, rs []drainResult) []string {
 	ws := measured(rs)
 	if len(ws) == 0 {
-		return []string{system, config, "-", "-", "-", "-", "-", "-", "-", "-"}
+		return []string{system, config, "-", "-", "-", "-", "-", "-", "-", "-", "-"}
 	}
 	return []string{system, config,
 		workStat(ws, func(w *serverWork) (float64, bool) { return float64(w.events), true }, func(v float64) string { return fmt.Sprintf("%.0f", v) }, false),
@@ -175,6 +182,7 @@ func workRow(system, config string, rs []drainResult) []string {
 		workStat(ws, perEvent(func(w *serverWork) int64 { return w.clientTx }), f4, false),
 		workStat(ws, perEvent(func(w *serverWork) int64 { return w.serverTx }), f4, false),
 		workStat(ws, perEvent(func(w *serverWork) int64 { return w.rows }), f2, false),
+		workStat(ws, func(w *serverWork) (float64, bool) { return float64(w.buffers) / float64(w.events), w.detail == nil }, f1, true),
 		workStat(ws, perEvent(func(w *serverWork) int64 { return w.walBytes }), f1, true)}
 }
 
@@ -220,6 +228,6 @@ func perEvent(n func(*serverWork) int64) func(*serverWork) (float64, bool) {
 	return func(w *serverWork) (float64, bool) { return float64(n(w)) / float64(w.events), true }
 }
 
-var workHeader = []string{"system", "configuration", "events", "events/batch", "stmts/batch", "round trips/batch", "tx/event (client)", "tx/event (server)", "rows written/event", "WAL bytes/event (least)"}
+var workHeader = []string{"system", "configuration", "events", "events/batch", "stmts/batch", "round trips/batch", "tx/event (client)", "tx/event (server)", "rows written/event", "buffers/event (least)", "WAL bytes/event (least)"}
 
 func f4(v float64) string { return fmt.Sprintf("%.4f", v) }
