@@ -1,4 +1,4 @@
-package outbox_test
+package outboxinspect_test
 
 import (
 	"context"
@@ -11,15 +11,6 @@ import (
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
 	"github.com/gorm-outbox/outbox/outboxinspect"
 )
-
-// at returns t as the engine's tests store timestamps planted by SQL: the
-// fixed-width UTC text on SQLite, a time on PostgreSQL.
-func at(e outboxtest.Engine, t time.Time) any {
-	if e == outboxtest.SQLite {
-		return t.UTC().Format("2006-01-02 15:04:05.000000000+00:00")
-	}
-	return t
-}
 
 func eventIDs(msgs []outboxinspect.MessageInfo) []string {
 	ids := make([]string, len(msgs))
@@ -44,18 +35,18 @@ func sameIDs(t *testing.T, what string, got []outboxinspect.MessageInfo, want ..
 
 func TestMessagesSelectByEveryFilter(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
+		db := setup(t, e)
 		for _, ev := range []outbox.Event{
 			{ID: "a1", Type: "order.created", AggregateType: "order", AggregateID: "1"},
 			{ID: "a2", Type: "order.paid", AggregateType: "order", AggregateID: "1"},
 			{ID: "b1", Type: "order.created", AggregateType: "order", AggregateID: "2"},
 			{ID: "c1", Type: "user.created", AggregateType: "user", AggregateID: "1"},
 		} {
-			mustNil(t, outbox.Publish(b.db, ev))
+			mustNil(t, outbox.Publish(db, ev))
 		}
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', created_at = ? WHERE event_id = 'b1'`,
+		mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', created_at = ? WHERE event_id = 'b1'`,
 			at(e, time.Now().Add(-time.Hour))).Error)
-		d := newDispatcher(t, b.db, &recorder{})
+		d := newDispatcher(t, db, &recorder{})
 		ctx := context.Background()
 		for _, tc := range []struct {
 			name string
@@ -82,9 +73,9 @@ func TestMessagesSelectByEveryFilter(t *testing.T) {
 }
 
 func TestMessagesReturnAtMostTheDefaultLimit(t *testing.T) {
-	b := setup(t, outboxtest.SQLite, nil)
-	publishN(t, b.db, "1", outboxinspect.DefaultMessageLimit+1)
-	msgs, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Messages(context.Background(), outboxinspect.MessageFilter{})
+	db := setup(t, outboxtest.SQLite)
+	publishN(t, db, "1", outboxinspect.DefaultMessageLimit+1)
+	msgs, err := outboxinspect.New(newDispatcher(t, db, &recorder{})).Messages(context.Background(), outboxinspect.MessageFilter{})
 	mustNil(t, err)
 	if len(msgs) != outboxinspect.DefaultMessageLimit || msgs[0].Sequence != int64(outboxinspect.DefaultMessageLimit+1) {
 		t.Fatalf("got %d messages from sequence %d, want the newest %d", len(msgs), msgs[0].Sequence, outboxinspect.DefaultMessageLimit)
@@ -93,12 +84,12 @@ func TestMessagesReturnAtMostTheDefaultLimit(t *testing.T) {
 
 func TestMessageReadsTheWholeRow(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
+		db := setup(t, e)
 		occurred := time.Date(2024, 5, 1, 12, 0, 0, 0, time.UTC)
-		mustNil(t, outbox.Publish(b.db, outbox.Event{ID: "ev-1", Type: "order.created", AggregateType: "order", AggregateID: "7",
+		mustNil(t, outbox.Publish(db, outbox.Event{ID: "ev-1", Type: "order.created", AggregateType: "order", AggregateID: "7",
 			IdempotencyKey: "k-1", Payload: map[string]int{"total": 3}, Headers: map[string]string{"trace": "abc"}, OccurredAt: occurred}))
 		fail := errors.New("broker down")
-		d := newDispatcher(t, b.db, &recorder{Next: func(outbox.Batch) error { return fail }})
+		d := newDispatcher(t, db, &recorder{Next: func(outbox.Batch) error { return fail }})
 		dispatch(t, d)
 		m, err := outboxinspect.New(d).Message(context.Background(), "ev-1")
 		mustNil(t, err)
@@ -114,8 +105,8 @@ func TestMessageReadsTheWholeRow(t *testing.T) {
 }
 
 func TestMessageOfAnUnknownEventIsNotFound(t *testing.T) {
-	b := setup(t, outboxtest.SQLite, nil)
-	_, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Message(context.Background(), "nope")
+	db := setup(t, outboxtest.SQLite)
+	_, err := outboxinspect.New(newDispatcher(t, db, &recorder{})).Message(context.Background(), "nope")
 	if !errors.Is(err, outboxinspect.ErrMessageNotFound) {
 		t.Fatalf("got %v, want ErrMessageNotFound", err)
 	}
@@ -123,16 +114,16 @@ func TestMessageOfAnUnknownEventIsNotFound(t *testing.T) {
 
 func TestRequeueCandidatesAreWhatRequeueMoves(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
+		db := setup(t, e)
 		now := time.Now()
 		for i, id := range []string{"f1", "f2", "f3", "p1"} {
-			mustNil(t, outbox.Publish(b.db, outbox.Event{ID: id, Type: "t", AggregateType: "agg", AggregateID: id}))
+			mustNil(t, outbox.Publish(db, outbox.Event{ID: id, Type: "t", AggregateType: "agg", AggregateID: id}))
 			if id != "p1" {
-				mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', updated_at = ? WHERE event_id = ?`,
+				mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', updated_at = ? WHERE event_id = ?`,
 					at(e, now.Add(-time.Duration(10-i)*time.Minute)), id).Error)
 			}
 		}
-		d := newDispatcher(t, b.db, &recorder{})
+		d := newDispatcher(t, db, &recorder{})
 		ctx := context.Background()
 		f := outbox.RequeueFilter{FailedBefore: now.Add(-8 * time.Minute), Limit: 1}
 		dry, err := outboxinspect.New(d).RequeueCandidates(ctx, f)
@@ -151,17 +142,17 @@ func TestRequeueCandidatesAreWhatRequeueMoves(t *testing.T) {
 
 func TestActivityCountsDeliveriesAndFailuresPerInterval(t *testing.T) {
 	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
-		b := setup(t, e, nil)
-		publishN(t, b.db, "1", 3)
-		publishN(t, b.db, "2", 1)
+		db := setup(t, e)
+		publishN(t, db, "1", 3)
+		publishN(t, db, "2", 1)
 		now := time.Now()
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_id = '1' AND aggregate_sequence < 3`,
+		mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_id = '1' AND aggregate_sequence < 3`,
 			at(e, now.Add(-90*time.Second))).Error)
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_id = '1' AND aggregate_sequence = 3`,
+		mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_id = '1' AND aggregate_sequence = 3`,
 			at(e, now.Add(-2*time.Hour))).Error)
-		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', updated_at = ? WHERE aggregate_id = '2'`,
+		mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'failed', updated_at = ? WHERE aggregate_id = '2'`,
 			at(e, now.Add(-10*time.Second))).Error)
-		got, err := outboxinspect.New(newDispatcher(t, b.db, &recorder{})).Activity(context.Background(), time.Minute, 3)
+		got, err := outboxinspect.New(newDispatcher(t, db, &recorder{})).Activity(context.Background(), time.Minute, 3)
 		mustNil(t, err)
 		want := []outboxinspect.ActivityBucket{{Delivered: 0}, {Delivered: 2}, {Failed: 1}}
 		for i := range want {
