@@ -57,7 +57,7 @@ var badEvents = []struct {
 // whole, and nothing is written. The same holds for Publish outside a
 // transaction.
 func TestBadInputFailsTheWholeTransaction(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		good := outbox.Event{Type: "order.noted", AggregateType: "order", AggregateID: "1", Payload: map[string]int{"n": 1}}
 		for _, c := range badEvents {
@@ -120,7 +120,7 @@ func TestUnstorableEventIsInvalidOnEveryEngine(t *testing.T) {
 		{"InvalidUTF8InAggregateID", outbox.Event{Type: "order.noted", AggregateType: "order", AggregateID: "1\xff"}},
 		{"NULInHeader", outbox.Event{Type: "order.noted", AggregateType: "order", AggregateID: "1", Headers: map[string]string{"trace": "a\x00b"}}},
 	}
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		for _, c := range cases {
 			t.Run(c.name, func(t *testing.T) {

@@ -72,7 +72,7 @@ func twoClaims(t *testing.T, db *gorm.DB, opts ...outbox.DispatcherOption) strin
 }
 
 func TestClaimTakesTheOldestEventsFirst(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishInterleaved(t, b.db, 3, "a", "b")
 		// The four oldest events, then the rest; a batch lists its
@@ -109,7 +109,7 @@ func TestClaimStopsOnlyWhereOrderWouldBreak(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
 				publishN(t, b.db, "a", 4)
 				mustNil(t, b.db.Exec(tc.change, time.Now().Add(time.Hour).UTC()).Error)
@@ -122,7 +122,7 @@ func TestClaimStopsOnlyWhereOrderWouldBreak(t *testing.T) {
 }
 
 func TestClaimPassesByTheAggregatesAnotherDispatcherHolds(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		if e == outboxtest.SQLite {
 			t.Skip("SQLite's claims read no shards: a second dispatcher's claim waits for the batch that holds its window back")
 		}
@@ -163,7 +163,7 @@ func TestClaimPassesByTheAggregatesAnotherDispatcherHolds(t *testing.T) {
 
 func TestClaimLooksUpTheEventsBeforeThoseOfManyAggregates(t *testing.T) {
 	const aggregates = 1200
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, b.db.Transaction(func(tx *gorm.DB) error {
 			for seq := range 2 {

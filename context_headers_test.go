@@ -65,7 +65,7 @@ func TestContextHeadersAreStoredWithEveryWayOfWriting(t *testing.T) {
 			})
 		}},
 	}
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		for _, w := range writes {
 			t.Run(w.name, func(t *testing.T) {
 				b := setup(t, e, nil, outbox.WithContextHeaders(tenantHeaders))

@@ -39,7 +39,7 @@ import (
 // sequential ones (the server restart, the load test).
 func TestKillDispatchersMidFlight(t *testing.T) {
 	t.Parallel()
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		dir := t.TempDir()
 		cfg := helperConfig{Engine: e, DSN: b.info.DSN, Out: filepath.Join(dir, "accepted.jsonl"), Log: filepath.Join(dir, "dispatchers.jsonl"),

@@ -13,7 +13,7 @@ import (
 )
 
 func TestSchedulerDeliversSkipsOverlapsAndStopsAfterBatchInFlight(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 2)
 		var running, overlaps, calls atomic.Int32

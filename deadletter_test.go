@@ -42,7 +42,7 @@ func TestRetryFailedSweepLeavesWhatFailedForGood(t *testing.T) {
 		}()},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
 				publishN(t, b.db, "a", 1)
 				d := newDispatcher(t, b.db, tc.publisher)
@@ -72,7 +72,7 @@ func TestRetryFailedSweepLeavesWhatFailedForGood(t *testing.T) {
 }
 
 func TestRetryFailedSweepRevivesAnExhaustedEventAtMostMaxRevivalsTimes(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		down := outbox.PublisherFunc(func(context.Context, outbox.Batch) error { return errors.New("broker down") })
@@ -125,7 +125,7 @@ func TestWithMaxRevivalsZeroTurnsTheSweepOff(t *testing.T) {
 }
 
 func TestRowLeasedUntilTheFutureIsNeverClaimed(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 1)

@@ -19,7 +19,7 @@ import (
 )
 
 func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 3)
 		publishN(t, b.db, "b", 2)
@@ -65,7 +65,7 @@ func TestFailedPredecessorHoldsBackItsAggregateOnly(t *testing.T) {
 }
 
 func TestMessageAcceptedAfterAFailedOneIsDeliveredAgainAfterIt(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 3)
 		first := true
@@ -103,7 +103,7 @@ func TestMessageAcceptedAfterAFailedOneIsDeliveredAgainAfterIt(t *testing.T) {
 }
 
 func TestRetryingPredecessorHoldsBackDueSuccessor(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 2)
 		// a#1 waits for a retry in an hour; a#2 is due now.
@@ -122,7 +122,7 @@ func TestRetryingPredecessorHoldsBackDueSuccessor(t *testing.T) {
 }
 
 func TestRowsBehindAWaitingHeadAreParkedUntilItCanMove(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		for _, agg := range []string{"retry", "dead", "flight"} {
 			publishN(t, b.db, agg, 3)
@@ -168,7 +168,7 @@ func TestRowsBehindAWaitingHeadAreParkedUntilItCanMove(t *testing.T) {
 }
 
 func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "poison", 1)
 		publishN(t, b.db, "poison", 1)
@@ -216,7 +216,7 @@ func TestDeadLetterHoldsBackItsAggregateUntilRetried(t *testing.T) {
 }
 
 func TestRequeueFiltersAndBounds(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		for i, typ := range []string{"x", "x", "y", "x"} {
 			mustNil(t, outbox.Publish(b.db, outbox.Event{Type: typ, AggregateType: "agg", AggregateID: fmt.Sprint(i)}))
@@ -247,7 +247,7 @@ func TestRequeueFiltersAndBounds(t *testing.T) {
 }
 
 func TestCleanupDeletesOnlyOldDeliveredRows(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 5)
 		old := time.Now().Add(-8 * 24 * time.Hour).UTC()
@@ -276,7 +276,7 @@ func TestCleanupDeletesOnlyOldDeliveredRows(t *testing.T) {
 }
 
 func TestUncommittedEventIsNeverClaimed(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		rec := &recorder{}
 		d := newDispatcher(t, b.db, rec)
@@ -306,7 +306,7 @@ func TestUncommittedEventIsNeverClaimed(t *testing.T) {
 }
 
 func TestLateSettleDoesNotOverwriteNewerClaim(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		inPublish, release := make(chan struct{}), make(chan struct{})
@@ -335,7 +335,7 @@ func TestLateSettleDoesNotOverwriteNewerClaim(t *testing.T) {
 }
 
 func TestPublisherPanicIsRecoveredAndRetried(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		d := newDispatcher(t, b.db, outbox.PublisherFunc(func(context.Context, outbox.Batch) error { panic("boom") }))
@@ -348,7 +348,7 @@ func TestPublisherPanicIsRecoveredAndRetried(t *testing.T) {
 }
 
 func TestHangingPublisherIsAbandonedAtDeadline(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		hang := make(chan struct{})
@@ -364,7 +364,7 @@ func TestHangingPublisherIsAbandonedAtDeadline(t *testing.T) {
 }
 
 func TestRunStopsAfterSettlingBatchInFlight(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 2)
 		inPublish, release := make(chan struct{}), make(chan struct{})
@@ -388,7 +388,7 @@ func TestRunStopsAfterSettlingBatchInFlight(t *testing.T) {
 }
 
 func TestRunDeliversWhatIsWrittenWhileItRuns(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		got := make(chan outbox.Message, 100)
 		p := outbox.PublisherFunc(func(_ context.Context, batch outbox.Batch) error {
@@ -418,7 +418,7 @@ func TestRunDeliversWhatIsWrittenWhileItRuns(t *testing.T) {
 // acceptances are 1, 2, 3, ... and that nothing is lost or claimed twice
 // while its lease lives.
 func TestConcurrentDispatchersDeliverEachEventOnceInOrder(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) { concurrentDispatchers(t, e, 6, 40, false) })
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) { concurrentDispatchers(t, e, 6, 40, false) })
 }
 
 // TestConcurrentDispatchersClaimingByShardDeliverEachEventOnceInOrder is
@@ -427,7 +427,7 @@ func TestConcurrentDispatchersDeliverEachEventOnceInOrder(t *testing.T) {
 // they hold each other back, and move between the shards and every
 // aggregate as their claims find them.
 func TestConcurrentDispatchersClaimingByShardDeliverEachEventOnceInOrder(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) { concurrentDispatchers(t, e, 24, 15, true) })
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) { concurrentDispatchers(t, e, 24, 15, true) })
 }
 
 func concurrentDispatchers(t *testing.T, e outboxtest.Engine, aggregates, perAggregate int, byShard bool) {

@@ -51,7 +51,7 @@ func states(t *testing.T, b bundle) []string {
 }
 
 func TestDispatchDeliversAndSettles(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		o := Order{Status: "new", Total: 3}
 		mustNil(t, b.db.Create(&o).Error)
@@ -81,7 +81,7 @@ func TestDispatchDeliversAndSettles(t *testing.T) {
 }
 
 func TestFailedPublishSchedulesRetryWithBackoff(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		rec := &recorder{Next: func(outbox.Batch) error { return errors.New("broker down") }}
@@ -105,7 +105,7 @@ func TestFailedPublishSchedulesRetryWithBackoff(t *testing.T) {
 }
 
 func TestPermanentErrorDeadLetters(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 2)
 		d := newDispatcher(t, b.db, &recorder{Next: func(outbox.Batch) error { return outbox.Permanent(errors.New("schema rejected")) }})
@@ -117,7 +117,7 @@ func TestPermanentErrorDeadLetters(t *testing.T) {
 }
 
 func TestMaxAttemptsDeadLetters(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		now := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
@@ -137,7 +137,7 @@ func TestMaxAttemptsDeadLetters(t *testing.T) {
 }
 
 func TestPartialBatchSettlesEachMessage(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 1)
@@ -163,7 +163,7 @@ func TestPartialBatchSettlesEachMessage(t *testing.T) {
 }
 
 func TestExpiredLeaseIsReclaimed(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 1)
@@ -188,7 +188,7 @@ func (e delayError) Error() string             { return "slow down" }
 func (e delayError) RetryDelay() time.Duration { return e.d }
 
 func TestRetryWaitsAtLeastWhatThePublisherAsks(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 1)
@@ -211,7 +211,7 @@ func TestRetryWaitsAtLeastWhatThePublisherAsks(t *testing.T) {
 }
 
 func TestStatsCountsRowsByState(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		publishN(t, b.db, "a", 1)
 		publishN(t, b.db, "b", 2)

@@ -32,7 +32,7 @@ import (
 //     own aggregates are held back: never handed to the publisher again,
 //     never dead-lettered, still waiting.
 func TestPublisherFaultsTogether(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		const healthy, perAggregate, maxAttempts = 5, 12, 6
 		aggs := []string{"poison", "perm"}

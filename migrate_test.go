@@ -39,7 +39,7 @@ func stripComments(s string) string {
 }
 
 func TestAutoMigrateUpgradesATableOfTheUnversionedSchemaKeepingEveryRow(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		db, _ := outboxtest.Open(t, e, nil)
 		for _, stmt := range oldSchema(t, e) {
 			mustNil(t, db.Exec(stmt).Error)
@@ -80,7 +80,7 @@ func TestAutoMigrateUpgradesATableOfTheUnversionedSchemaKeepingEveryRow(t *testi
 }
 
 func TestAutoMigrateFromManyProcessesAtOnceAppliesEachVersionOnce(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		_, info := outboxtest.Open(t, e, nil)
 		var wg sync.WaitGroup
 		errs := make(chan error, 6)

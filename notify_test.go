@@ -51,7 +51,7 @@ func awaitMessage(t *testing.T, got <-chan outbox.Message, what string) outbox.M
 }
 
 func TestCommitWakesRunWithoutPolling(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil, ownTable())
 		got, stop := runWithoutPolling(t, b.db)
 		defer stop()

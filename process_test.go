@@ -14,7 +14,7 @@ import (
 // third batch, and checks that each committed event is accepted exactly
 // once, in order per aggregate.
 func TestDispatcherProcessesShareOneTable(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		out := filepath.Join(t.TempDir(), "accepted.jsonl")
 		for range 3 {

@@ -44,17 +44,6 @@ func (b bundle) records(t *testing.T) []outboxtest.Record {
 	return outboxtest.Records(t, b.db, b.plugin.Table())
 }
 
-// forEachEngine runs fn as a parallel subtest per engine.
-func forEachEngine(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
-	t.Helper()
-	for _, e := range outboxtest.Engines {
-		t.Run(string(e), func(t *testing.T) {
-			t.Parallel()
-			fn(t, e)
-		})
-	}
-}
-
 // Order emits one event per write, with itself as payload.
 type Order struct {
 	ID     uint

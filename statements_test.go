@@ -109,7 +109,7 @@ func TestWriteStatementCounts(t *testing.T) {
 			return outbox.Transaction(db, func(tx *gorm.DB) error { return tx.Create(&Order{Status: "a"}).Error })
 		}, map[outboxtest.Engine]counts{outboxtest.SQLite: {3, 7}, outboxtest.Postgres: {3, 4}}},
 	}
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		if e == outboxtest.MySQL {
 			t.Skip("MySQL: no statement counts recorded for this engine yet")
 		}

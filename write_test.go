@@ -18,7 +18,7 @@ import (
 )
 
 func TestCreateRecordsEventWithDefaults(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		before := time.Now()
 		o := Order{Status: "new", Total: 42}
@@ -60,7 +60,7 @@ func TestCreateRecordsEventWithDefaults(t *testing.T) {
 }
 
 func TestNonEmittingModelRecordsNothing(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		w := Widget{Name: "w"}
 		if err := b.db.Create(&w).Error; err != nil {
@@ -192,7 +192,7 @@ func TestOutboxRowsCommitIffBusinessWriteCommits(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, c.cfg)
 				want := c.run(t, b.db)
 				var statuses []string
@@ -263,7 +263,7 @@ func TestEveryWritePathEmits(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
 				o := &Order{Status: "new", Total: 1}
 				mustNil(t, b.db.Create(o).Error)
@@ -306,7 +306,7 @@ func TestWithoutEventsRunsWritesByConditionAndRecordsNothing(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
 				mustNil(t, outbox.WithoutEvents(b.db).Create(&Order{Status: "new", Total: 1}).Error)
 				mustNil(t, c.run(outbox.WithoutEvents(b.db)))
@@ -324,7 +324,7 @@ func TestWithoutEventsRunsWritesByConditionAndRecordsNothing(t *testing.T) {
 }
 
 func TestGlobalWriteKeepsGormsMissingWhereClauseError(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, b.db.Create(&[]Order{{Status: "a"}, {Status: "b"}}).Error)
 		if err := b.db.Model(&Order{}).Update("status", "x").Error; !errors.Is(err, gorm.ErrMissingWhereClause) {
@@ -359,7 +359,7 @@ func TestGlobalWriteKeepsGormsMissingWhereClauseError(t *testing.T) {
 // says in RETURNING which rows it inserted; on MySQL the conflict key is
 // the primary key (the table's one unique key here).
 func TestUpsertWithoutConflictColumnsIsRefusedOnSQLite(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, b.db.Create(&Order{Status: "a"}).Error)
 		up := clause.OnConflict{DoUpdates: clause.AssignmentColumns([]string{"status"})}
@@ -391,7 +391,7 @@ func TestUpsertWithoutConflictColumnsIsRefusedOnSQLite(t *testing.T) {
 // event_id exists under another key, so its insert fails after the first
 // event of the call was written.
 func TestFailedPublishLeavesNothingWhenTheCallerCommits(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, outbox.Publish(b.db, outbox.Event{ID: "e1", Type: "t", AggregateType: "order", AggregateID: "1"}))
 		var publishErr error
@@ -415,7 +415,7 @@ func TestFailedPublishLeavesNothingWhenTheCallerCommits(t *testing.T) {
 }
 
 func TestFailedEmitterLeavesNoRowWhenTheCallerCommits(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		var createErr error
 		_ = b.db.Transaction(func(tx *gorm.DB) error {
@@ -442,7 +442,7 @@ func TestOverlongFieldsFailTheSameOnEveryEngine(t *testing.T) {
 		"IdempotencyKey": {Type: "t", AggregateType: "order", AggregateID: "1", IdempotencyKey: long},
 		"ID":             {ID: long, Type: "t", AggregateType: "order", AggregateID: "1"},
 	}
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		for field, ev := range cases {
 			err := outbox.Publish(b.db, ev)
@@ -483,7 +483,7 @@ func TestInvalidEventFailsWriteAndWritesNothing(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.mode, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
 				err := b.db.Create(&Broken{Mode: c.mode}).Error
 				if !errors.Is(err, c.want) || !strings.Contains(err.Error(), c.says) {
@@ -511,7 +511,7 @@ func TestInvalidEventFailsWriteAndWritesNothing(t *testing.T) {
 }
 
 func TestDuplicateIdempotencyKeyLeavesOneUnchangedRow(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		ev := outbox.Event{Type: "order.paid", AggregateType: "order", AggregateID: "1", IdempotencyKey: "pay-1", Payload: map[string]int{"v": 1}}
 		mustNil(t, outbox.Publish(b.db, ev))
@@ -543,7 +543,7 @@ func TestDuplicateIdempotencyKeyLeavesOneUnchangedRow(t *testing.T) {
 }
 
 func TestSequenceCountsPerAggregate(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		for _, agg := range []string{"a", "b", "a", "a", "b", "c"} {
 			mustNil(t, outbox.Publish(b.db, outbox.Event{Type: "t", AggregateType: "order", AggregateID: agg}))
@@ -562,7 +562,7 @@ func TestSequenceCountsPerAggregate(t *testing.T) {
 }
 
 func TestPublishStoresExplicitFields(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		at := time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
 		ev := outbox.Event{ID: "evt-1", Type: "order.note", AggregateType: "order", AggregateID: "9", IdempotencyKey: "k-1",
@@ -591,7 +591,7 @@ func TestPublishRequiresPlugin(t *testing.T) {
 }
 
 func TestRegisterEmitterGivesEventsToForeignType(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, outbox.RegisterEmitter(b.plugin, func(f *Foreign, op outbox.Op) ([]outbox.Event, error) {
 			return []outbox.Event{{Type: "foreign." + string(op), AggregateType: "foreign", AggregateID: fmt.Sprint(f.ID), Payload: f}}, nil
@@ -625,7 +625,7 @@ func TestRegisterEmitterRejectsBadRegistrations(t *testing.T) {
 }
 
 func TestWithTableWritesToThatTable(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil, outbox.WithTable("Events_2"))
 		mustNil(t, b.db.Create(&Order{Status: "a"}).Error)
 		if n := outboxtest.Count(t, b.db, "Events_2"); n != 1 {
@@ -650,7 +650,7 @@ func TestWithTableRejectsNonIdentifiers(t *testing.T) {
 }
 
 func TestAutoMigrateIsIdempotent(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, b.db.Create(&Order{Status: "a"}).Error)
 		mustNil(t, outbox.AutoMigrate(b.db))
@@ -707,7 +707,7 @@ func TestStatementsThroughOneDBEachGetTheirOwnEvents(t *testing.T) {
 }
 
 func statementsThroughOneDB(t *testing.T, cfg *gorm.Config) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, cfg)
 		q := b.db.Model(&Order{})
 		mustNil(t, q.Create(&Order{Status: "a"}).Error)
@@ -739,7 +739,7 @@ func (a *Audited) AfterCreate(tx *gorm.DB) error {
 }
 
 func TestWithoutEventsInAHookWritesWhatItIsGiven(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		b := setup(t, e, nil)
 		mustNil(t, b.db.AutoMigrate(&Audited{}))
 		mustNil(t, b.db.Create(&Audited{Name: "a"}).Error)

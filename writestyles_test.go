@@ -392,7 +392,7 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, nil)
 				mustNil(t, b.db.AutoMigrate(&SoftOrder{}, &Doc{}, &Shouty{}, &Buyer{}, &Bill{}, &Line{}, &Person{}, &Profile{}))
 				mustNil(t, b.db.Create(&Order{Status: "new", Total: 1}).Error)
@@ -441,7 +441,7 @@ func TestWritesRecordTheSameUnderEveryConfiguration(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setup(t, e, cfg)
 				mustNil(t, b.db.Create(&[]Order{{Status: "a", Total: 1}, {Status: "b", Total: 2}}).Error)
 				mustNil(t, b.db.Model(&Order{}).Where("total > ?", 1).Update("total", gorm.Expr("total * 10")).Error)
@@ -467,7 +467,7 @@ func TestWritesRecordTheSameUnderEveryConfiguration(t *testing.T) {
 // caller asks for with clause.Returning into the model, as without the
 // plugin.
 func TestCallersReturningClauseStillFillsTheModel(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		if e == outboxtest.MySQL {
 			t.Skip("MySQL: an UPDATE takes no RETURNING clause")
 		}

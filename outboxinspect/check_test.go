@@ -40,7 +40,7 @@ func kinds(vs []outboxinspect.Violation) string {
 }
 
 func TestCheckFindsNothingOnADrainedTable(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		db := setup(t, e)
 		publishN(t, db, "1", 3)
 		publishN(t, db, "2", 2)
@@ -116,7 +116,7 @@ FROM outbox_records WHERE aggregate_sequence = 1`).Error)
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				db := setup(t, e)
 				for i := 1; i <= 3; i++ {
 					mustNil(t, outbox.Publish(db, outbox.Event{ID: "agg-1-" + string(rune('0'+i)), Type: "t", AggregateType: "agg", AggregateID: "1"}))

@@ -34,7 +34,7 @@ func sameIDs(t *testing.T, what string, got []outboxinspect.MessageInfo, want ..
 }
 
 func TestMessagesSelectByEveryFilter(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		db := setup(t, e)
 		for _, ev := range []outbox.Event{
 			{ID: "a1", Type: "order.created", AggregateType: "order", AggregateID: "1"},
@@ -83,7 +83,7 @@ func TestMessagesReturnAtMostTheDefaultLimit(t *testing.T) {
 }
 
 func TestMessageReadsTheWholeRow(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		db := setup(t, e)
 		occurred := time.Date(2024, 5, 1, 12, 0, 0, 0, time.UTC)
 		mustNil(t, outbox.Publish(db, outbox.Event{ID: "ev-1", Type: "order.created", AggregateType: "order", AggregateID: "7",
@@ -113,7 +113,7 @@ func TestMessageOfAnUnknownEventIsNotFound(t *testing.T) {
 }
 
 func TestRequeueCandidatesAreWhatRequeueMoves(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		db := setup(t, e)
 		now := time.Now()
 		for i, id := range []string{"f1", "f2", "f3", "p1"} {
@@ -141,7 +141,7 @@ func TestRequeueCandidatesAreWhatRequeueMoves(t *testing.T) {
 }
 
 func TestActivityCountsDeliveriesAndFailuresPerInterval(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		db := setup(t, e)
 		publishN(t, db, "1", 3)
 		publishN(t, db, "2", 1)

@@ -24,17 +24,6 @@ func setup(t *testing.T, e outboxtest.Engine) *gorm.DB {
 	return db
 }
 
-// forEachEngine runs fn as a parallel subtest per engine.
-func forEachEngine(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
-	t.Helper()
-	for _, e := range outboxtest.Engines {
-		t.Run(string(e), func(t *testing.T) {
-			t.Parallel()
-			fn(t, e)
-		})
-	}
-}
-
 func newDispatcher(t *testing.T, db *gorm.DB, p outbox.Publisher) *outbox.Dispatcher {
 	t.Helper()
 	d, err := outbox.NewDispatcher(db, p, outbox.WithLogger(outboxtest.Logger(t)))

@@ -108,7 +108,7 @@ func TestACrossOriginPostIsRefused(t *testing.T) {
 }
 
 func TestRequeueMovesTheDeadLettersAFormNames(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		s := newSite(t, e)
 		for _, id := range []string{"d1", "d2", "d3"} {
 			s.publish(t, outbox.Event{ID: id, Type: "t", AggregateType: "a", AggregateID: id})
@@ -143,7 +143,7 @@ func TestAPayloadWithMarkupIsShownAsText(t *testing.T) {
 }
 
 func TestTheMessagePageSaysWhatHoldsItBack(t *testing.T) {
-	forEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 		s := newSite(t, e)
 		for _, id := range []string{"s1", "s2", "s3"} {
 			s.publish(t, outbox.Event{ID: id, Type: "t", AggregateType: "order", AggregateID: "7"})
@@ -182,16 +182,5 @@ func TestTheOverviewPanelRefreshesAlone(t *testing.T) {
 	code, body := s.do(t, "GET", "?partial=1", token, nil)
 	if code != http.StatusOK || strings.Contains(body, "<html") || !strings.Contains(body, `id="count-pending">1<`) {
 		t.Fatalf("partial overview: %d\n%s", code, body)
-	}
-}
-
-// forEachEngine runs fn as a parallel subtest per engine.
-func forEachEngine(t *testing.T, fn func(t *testing.T, e outboxtest.Engine)) {
-	t.Helper()
-	for _, e := range outboxtest.Engines {
-		t.Run(string(e), func(t *testing.T) {
-			t.Parallel()
-			fn(t, e)
-		})
 	}
 }

@@ -46,6 +46,18 @@ const (
 // Engines lists every engine, for tests that run one suite against each.
 var Engines = []Engine{SQLite, Postgres, MySQL}
 
+// ForEachEngine runs fn as a parallel subtest of t per engine in Engines,
+// named after the engine.
+func ForEachEngine(t *testing.T, fn func(t *testing.T, e Engine)) {
+	t.Helper()
+	for _, e := range Engines {
+		t.Run(string(e), func(t *testing.T) {
+			t.Parallel()
+			fn(t, e)
+		})
+	}
+}
+
 // DB is an isolated test database.
 type DB struct {
 	Engine Engine
