@@ -126,36 +126,60 @@ func TestReceiverAsksForARetryWhenAMessageFails(t *testing.T) {
 	}
 }
 
-func TestReceiverStatusSettlesTheBatchThroughThePublisher(t *testing.T) {
+func TestReceiverStatusTellsAStatusOnlyClientWhatTheBatchNeeds(t *testing.T) {
 	t.Parallel()
 	permanent := outbox.Permanent(errors.New("unknown product"))
 	tests := []struct {
-		name          string
-		fail          map[string]error
-		wantErr       bool
-		wantPermanent bool
+		name   string
+		fail   map[string]error
+		status int
 	}{
-		{"all handled", nil, false, false},
-		{"one fails transiently", map[string]error{"evt-2a": errors.New("timeout")}, true, false},
-		{"one fails permanently, others handled", map[string]error{"evt-2a": permanent}, true, false},
-		{"every aggregate fails permanently", map[string]error{"evt-1a": permanent, "evt-2a": permanent}, true, true},
-		{"permanent and transient failures", map[string]error{"evt-1a": permanent, "evt-2a": errors.New("timeout")}, true, false},
+		{"all handled", nil, http.StatusOK},
+		{"one fails transiently", map[string]error{"evt-2a": errors.New("timeout")}, http.StatusServiceUnavailable},
+		{"one fails permanently, others handled", map[string]error{"evt-2a": permanent}, http.StatusServiceUnavailable},
+		{"every aggregate fails permanently", map[string]error{"evt-1a": permanent, "evt-2a": permanent}, http.StatusUnprocessableEntity},
+		{"permanent and transient failures", map[string]error{"evt-1a": permanent, "evt-2a": errors.New("timeout")}, http.StatusServiceUnavailable},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			_, in, _ := newConsumer(t, sqliteEngine)
-			srv := httptest.NewServer(newReceiver(t, in, shipMessage(tt.fail)))
-			t.Cleanup(srv.Close)
-			pub, err := outboxhttp.New(srv.URL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			err = pub.Publish(context.Background(), orderBatch("b-1"))
-			if (err != nil) != tt.wantErr || outbox.IsPermanent(err) != tt.wantPermanent {
-				t.Errorf("Publish = %v (permanent: %v); want error %v, permanent %v", err, outbox.IsPermanent(err), tt.wantErr, tt.wantPermanent)
+			if status, _ := post(t, newReceiver(t, in, shipMessage(tt.fail)), orderBatch("b-1")); status != tt.status {
+				t.Errorf("status %d, want %d", status, tt.status)
 			}
 		})
+	}
+}
+
+func TestReceiverAnswersEachOutcomeWithTheConsumersReasonAndWhetherItIsPermanent(t *testing.T) {
+	t.Parallel()
+	_, in, _ := newConsumer(t, sqliteEngine)
+	r := newReceiver(t, in, shipMessage(map[string]error{
+		"evt-1a": outbox.Permanent(errors.New("unknown product")),
+		"evt-2a": errors.New("stock service down"),
+	}))
+	body, err := json.Marshal(orderBatch("b-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := httptest.NewRequest(http.MethodPost, "/events", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(outboxhttp.HeaderIdempotencyKey, "b-1")
+	rec := httptest.NewRecorder()
+	r.ServeHTTP(rec, req)
+
+	// The body is the outboxhttp protocol's Response, in the batch's order.
+	var got outboxhttp.Response
+	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil || rec.Header().Get("Content-Type") != "application/json" {
+		t.Fatalf("answer %q (%s) is not a JSON outboxhttp.Response: %v", rec.Body, rec.Header().Get("Content-Type"), err)
+	}
+	want := outboxhttp.Response{BatchID: "b-1", Results: []outboxhttp.Result{
+		{EventID: "evt-1a", Outcome: outboxhttp.Failed, Error: "permanent: unknown product", Permanent: true},
+		{EventID: "evt-1b", Outcome: outboxhttp.NotAttempted, Error: "outbox: message not attempted: evt-1a of the same aggregate failed earlier in the batch"},
+		{EventID: "evt-2a", Outcome: outboxhttp.Failed, Error: "stock service down"},
+	}}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("answer\n %+v\nwant\n %+v", got, want)
 	}
 }
 
@@ -190,10 +214,20 @@ func TestReceiverRefusesRequestsThatFailTheChecks(t *testing.T) {
 			t.Fatal(err)
 		}
 		err = pub.Publish(context.Background(), tt.batch)
-		var se *outboxhttp.StatusError
+		var (
+			se      *outboxhttp.StatusError
+			partial *outbox.PartialError
+		)
 		switch {
 		case tt.status == http.StatusOK && err != nil:
 			t.Errorf("%s: Publish = %v, want nil", tt.name, err)
+		case tt.status == http.StatusRequestEntityTooLarge:
+			// The publisher sends the big message alone: it fails, too
+			// large; the other aggregate's message goes through.
+			if !errors.As(err, &partial) || !errors.Is(partial.Failed["evt-1a"], outboxhttp.ErrTooLarge) || partial.Failed["evt-2a"] != nil ||
+				!strings.Contains(partial.Failed["evt-1a"].Error(), "413") {
+				t.Errorf("%s: Publish = %v, want evt-1a failed alone on a 413", tt.name, err)
+			}
 		case tt.status != http.StatusOK && (!errors.As(err, &se) || se.StatusCode != tt.status):
 			t.Errorf("%s: Publish = %v, want status %d", tt.name, err, tt.status)
 		}
