@@ -247,39 +247,28 @@ func defaultClient() *http.Client {
 	}
 }
 
-// Publish sends b to the endpoint and reports what became of each message.
+// Publish sends b to the endpoint, in one request or, when its body would
+// be larger than [WithMaxBodyBytes] or the endpoint answers 413, in
+// several, and settles each message by the answers, as the package
+// documentation describes:
 //
-// b goes in one POST request when its body fits in the limit of
-// [WithMaxBodyBytes]; otherwise in several, one after the other, each
-// filled up to the limit in the batch's order (see the package
-// documentation for the batch_id each carries). A message that does not
-// fit in a request of its own is not sent: it fails alone, permanently,
-// with an error wrapping [ErrTooLarge] that names its size. When the
-// endpoint answers 413 to a request of several messages, Publish sends
-// each half of it again in turn, so that a message too large for the
-// receiver fails alone the same way, naming the size of the request it
-// made on its own. After a message is not accepted, the later messages of
-// its aggregate are not sent (they are reported [outbox.ErrNotAttempted]).
+//   - nil when every message was accepted;
+//   - the error of the request, when one request failed as a whole
+//     (network error, timeout, end of ctx, a status without results,
+//     results that do not describe it) before any message was accepted or
+//     failed otherwise: retryable, or permanent ([outbox.IsPermanent]) for
+//     a 4xx other than 408, 413 and 429 and for an unfollowed redirect; it
+//     wraps a [*StatusError] when the endpoint answered;
+//   - otherwise a wrapped [*outbox.PartialError] naming each message not
+//     accepted: with the receiver's reason for a failed result (permanent
+//     when the result says so), [outbox.ErrNotAttempted] for a message not
+//     attempted or not sent behind one of its aggregate, a permanent
+//     error wrapping [ErrTooLarge] for a message too large to send alone,
+//     and the error of the request that failed as a whole for the
+//     messages it and the later requests would have carried.
 //
-// A request is settled by its response:
-//
-//   - a JSON [Response] settles each message by its [Result], whatever
-//     the status; one whose results do not describe the request (another
-//     batch_id, a message without a result, an unknown outcome) fails the
-//     request as a whole, to be retried;
-//   - otherwise the status settles every message of the request: 2xx
-//     accepts them; 408, 429 and 5xx responses, network errors, timeouts
-//     and the end of ctx are retryable; any other status is permanent. The
-//     error wraps a [*StatusError] when the endpoint answered.
-//
-// Publish returns nil when every message was accepted, and the request's
-// error when the first request failed as a whole, as before. Otherwise it
-// returns a wrapped [*outbox.PartialError]: a message a result refused
-// fails with the receiver's reason as its error, permanent when the result
-// says so; messages of requests after one that failed as a whole fail with
-// that request's error. A batch without an ID, or one that cannot be
-// encoded, fails permanently without a request. Every response body is
-// closed.
+// A batch without an ID, or one that cannot be encoded, fails permanently
+// without a request. Every response body is closed.
 func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 	if b.ID == "" || !validHeaderValue(b.ID) {
 		return outbox.Permanent(fmt.Errorf("outboxhttp: batch ID %q cannot be sent as %s", b.ID, HeaderIdempotencyKey))
@@ -591,8 +580,9 @@ func encodeJSON(v any) ([]byte, error) {
 	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
 }
 
-// StatusError reports a response whose status was not 2xx. Publish returns
-// it wrapped; use errors.As to inspect it.
+// StatusError reports a response without results whose status was not
+// 2xx. Publish returns it wrapped, when a request failed as a whole; use
+// errors.As to inspect it.
 type StatusError struct {
 	// StatusCode is the response's status code.
 	StatusCode int
@@ -604,12 +594,12 @@ type StatusError struct {
 	RetryAfter time.Duration
 }
 
-// Error describes the status, the requested delay if any, and the start of the
-// body, on one line.
 // RetryDelay returns RetryAfter, so that the dispatcher waits at least as
 // long as the receiver asked before trying again (see outbox.RetryDelayer).
 func (e *StatusError) RetryDelay() time.Duration { return e.RetryAfter }
 
+// Error describes the status, the requested delay if any, and the start of the
+// body, on one line.
 func (e *StatusError) Error() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "status %d", e.StatusCode)
