@@ -46,13 +46,17 @@ type resultsReceiver struct {
 	answer   func(m outbox.Message) result
 
 	mu       sync.Mutex
-	requests [][]string // event ids of each request, in order
-	keys     []string   // Idempotency-Key of each request
+	requests [][]string // event ids of each request handled, in order
+	keys     []string   // Idempotency-Key of each request handled
+	refused  int        // requests answered 413
 }
 
 func (rr *resultsReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	b, err := outboxhttp.DecodeRequest(r, nil, rr.maxBytes)
 	if errors.Is(err, outboxhttp.ErrTooLarge) {
+		rr.mu.Lock()
+		rr.refused++
+		rr.mu.Unlock()
 		http.Error(w, err.Error(), http.StatusRequestEntityTooLarge)
 		return
 	}
@@ -246,31 +250,38 @@ func TestPublishLeavesAJSONBodyWithoutResultsToTheStatus(t *testing.T) {
 	}
 }
 
-func TestPublishSplitsABatchLargerThanMaxBodyBytesIntoRequestsInOrder(t *testing.T) {
+func TestPublishFillsEachRequestUpToMaxBodyBytesInTheBatchsOrder(t *testing.T) {
 	t.Parallel()
-	const limit = 1000
-	rr := &resultsReceiver{t: t, status: http.StatusOK, maxBytes: limit}
 	b := outbox.Batch{ID: "b-1"}
-	var want []string
 	for i := range 12 {
-		m := msg(fmt.Sprint(i%3), int64(i/3+1), 200)
-		b.Messages = append(b.Messages, m)
-		want = append(want, m.EventID)
+		b.Messages = append(b.Messages, msg(fmt.Sprint(i%3), int64(i/3+1), 200))
 	}
+	// One byte short of three messages: every request carries two, the
+	// most that fit.
+	three, err := json.Marshal(outbox.Batch{ID: b.ID, Messages: b.Messages[:3]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	limit := int64(len(three) - 1)
+	rr := &resultsReceiver{t: t, status: http.StatusOK, maxBytes: limit}
 	if err := newPublisher(t, serve(t, rr), outboxhttp.WithMaxBodyBytes(limit)).Publish(context.Background(), b); err != nil {
 		t.Fatalf("Publish = %v, want nil", err)
 	}
-	var got []string
-	for _, ids := range rr.Requests() {
-		got = append(got, ids...)
+	var want [][]string
+	for i := 0; i < len(b.Messages); i += 2 {
+		want = append(want, []string{b.Messages[i].EventID, b.Messages[i+1].EventID})
 	}
-	if !reflect.DeepEqual(got, want) {
-		t.Errorf("received %v, want each message once, in the batch's order %v", got, want)
+	if got := rr.Requests(); !reflect.DeepEqual(got, want) {
+		t.Errorf("received %v, want %v", got, want)
 	}
-	// The receiver's limit is the publisher's, so no request was refused;
-	// each has an Idempotency-Key of its own.
-	if n := len(rr.keys); n < 3 || rr.keys[0] != "b-1" || rr.keys[1] != "b-1.2" || rr.keys[n-1] != fmt.Sprintf("b-1.%d", n) {
-		t.Errorf("Idempotency-Keys %v, want b-1, b-1.2, ... b-1.<n> over at least 3 requests", rr.keys)
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	if rr.refused != 0 {
+		t.Errorf("%d requests refused as too large, want none", rr.refused)
+	}
+	// Each request has an Idempotency-Key of its own.
+	if want := []string{"b-1", "b-1.2", "b-1.3", "b-1.4", "b-1.5", "b-1.6"}; !reflect.DeepEqual(rr.keys, want) {
+		t.Errorf("Idempotency-Keys %v, want %v", rr.keys, want)
 	}
 }
 
