@@ -176,8 +176,8 @@ func permanent(err error) bool {
 	return outbox.IsPermanent(err) || errors.Is(err, ErrInvalidMessage)
 }
 
-// batchStatus is the status that makes the publisher settle the batch as
-// its results need.
+// batchStatus is the status that tells a client reading only the status
+// what the batch as a whole needs.
 func batchStatus(ctx context.Context, results []Result) int {
 	applied, failed, transient := 0, 0, 0
 	for _, res := range results {
