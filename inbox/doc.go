@@ -39,10 +39,10 @@
 // failure, the rest of that aggregate's messages in the batch are not
 // attempted. [Receiver] is an http.Handler for the batches that the
 // outboxhttp publisher posts: it checks the request with
-// outboxhttp.DecodeRequest, handles the batch, and answers with a status
-// the publisher settles the batch by (200 when every message was applied
-// now or before, 503 to have the batch retried) and the per-message
-// outcomes as JSON.
+// outboxhttp.DecodeRequest, handles the batch, and answers with the
+// per-message outcomes as JSON (an outboxhttp.Response), by which the
+// publisher settles each message: one the consumer refuses holds back
+// only its own aggregate.
 //
 // # Engines
 //

@@ -19,22 +19,26 @@ import (
 //
 // For each request it checks the batch with [outboxhttp.DecodeRequest],
 // handles its messages with [Inbox.HandleBatch], and answers with a JSON
-// [Response] listing every message's outcome. The publisher reads only the
-// status, and settles the whole batch by it, so the status says what the
-// batch as a whole needs:
+// [Response], the outboxhttp.Response of the outboxhttp protocol: every
+// message's outcome, with the reason of a failure and whether it is
+// permanent (apply returned an error marked with [outbox.Permanent], or
+// the message failed with [ErrInvalidMessage]). The outboxhttp publisher
+// settles each message by it: the applied and duplicate ones are
+// delivered, a permanent failure is dead-lettered alone with its reason,
+// another failure is retried alone, and the messages not attempted come
+// back later. The status says what the batch as a whole needs, for a
+// client that reads only the status:
 //
-//   - 200 when every message was handled or was a duplicate: the batch is
-//     delivered;
+//   - 200 when every message was handled or was a duplicate;
 //   - 422 when no message was applied, now or before, and every failure
-//     was permanent (apply returned an error marked with
-//     [outbox.Permanent], or a message failed with [ErrInvalidMessage]):
-//     retrying cannot help, and the publisher dead-letters the batch;
+//     was permanent: retrying cannot help;
 //   - 503 otherwise (some message failed, or was not attempted): the
-//     publisher retries the whole batch, and the messages that were
-//     applied come back as duplicates;
+//     messages that were applied come back as duplicates if the batch is
+//     sent again;
 //   - 400, 401 and 413 for a request that DecodeRequest refuses as
-//     malformed, badly signed or too large (the publisher dead-letters
-//     it), and 503 when the body cannot be read.
+//     malformed, badly signed or too large, and 503 when the body cannot
+//     be read; these answers are plain text, and the status settles the
+//     request.
 type Receiver struct {
 	in       *Inbox
 	apply    ApplyFunc
@@ -45,7 +49,7 @@ type Receiver struct {
 
 // Response is the body of every answer of a [Receiver] to a batch it
 // decoded: the batch's id and one result per message, in the batch's
-// order.
+// order. Its JSON is an outboxhttp.Response (see [Result.MarshalJSON]).
 type Response struct {
 	BatchID string   `json:"batch_id"`
 	Results []Result `json:"results"`
@@ -153,8 +157,27 @@ func (r *Receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	_, _ = w.Write(body)
 }
 
-// batchStatus is the status that makes the publisher settle the batch as
-// its results need.
+// MarshalJSON encodes r as an outboxhttp.Result: its event id and outcome,
+// and for a failed or not-attempted message Err's text as "error", with
+// "permanent" true when Err is marked with [outbox.Permanent] or wraps
+// [ErrInvalidMessage].
+func (r Result) MarshalJSON() ([]byte, error) {
+	w := outboxhttp.Result{EventID: r.EventID, Outcome: outboxhttp.Outcome(r.Outcome)}
+	if r.Err != nil && r.Outcome != Handled && r.Outcome != Duplicate {
+		w.Error = r.Err.Error()
+		w.Permanent = r.Outcome == Failed && permanent(r.Err)
+	}
+	return json.Marshal(w)
+}
+
+// permanent reports whether retrying the message that failed with err
+// cannot help.
+func permanent(err error) bool {
+	return outbox.IsPermanent(err) || errors.Is(err, ErrInvalidMessage)
+}
+
+// batchStatus is the status that tells a client reading only the status
+// what the batch as a whole needs.
 func batchStatus(ctx context.Context, results []Result) int {
 	applied, failed, transient := 0, 0, 0
 	for _, res := range results {
@@ -163,7 +186,7 @@ func batchStatus(ctx context.Context, results []Result) int {
 			applied++
 		case Failed:
 			failed++
-			if !outbox.IsPermanent(res.Err) && !errors.Is(res.Err, ErrInvalidMessage) {
+			if !permanent(res.Err) {
 				transient++
 			}
 		}

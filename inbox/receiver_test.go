@@ -5,17 +5,25 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"regexp"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/inbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
+	"github.com/gorm-outbox/outbox/internal/outboxtest/brokertest"
 	"github.com/gorm-outbox/outbox/outboxhttp"
 )
 
@@ -126,36 +134,60 @@ func TestReceiverAsksForARetryWhenAMessageFails(t *testing.T) {
 	}
 }
 
-func TestReceiverStatusSettlesTheBatchThroughThePublisher(t *testing.T) {
+func TestReceiverStatusTellsAStatusOnlyClientWhatTheBatchNeeds(t *testing.T) {
 	t.Parallel()
 	permanent := outbox.Permanent(errors.New("unknown product"))
 	tests := []struct {
-		name          string
-		fail          map[string]error
-		wantErr       bool
-		wantPermanent bool
+		name   string
+		fail   map[string]error
+		status int
 	}{
-		{"all handled", nil, false, false},
-		{"one fails transiently", map[string]error{"evt-2a": errors.New("timeout")}, true, false},
-		{"one fails permanently, others handled", map[string]error{"evt-2a": permanent}, true, false},
-		{"every aggregate fails permanently", map[string]error{"evt-1a": permanent, "evt-2a": permanent}, true, true},
-		{"permanent and transient failures", map[string]error{"evt-1a": permanent, "evt-2a": errors.New("timeout")}, true, false},
+		{"all handled", nil, http.StatusOK},
+		{"one fails transiently", map[string]error{"evt-2a": errors.New("timeout")}, http.StatusServiceUnavailable},
+		{"one fails permanently, others handled", map[string]error{"evt-2a": permanent}, http.StatusServiceUnavailable},
+		{"every aggregate fails permanently", map[string]error{"evt-1a": permanent, "evt-2a": permanent}, http.StatusUnprocessableEntity},
+		{"permanent and transient failures", map[string]error{"evt-1a": permanent, "evt-2a": errors.New("timeout")}, http.StatusServiceUnavailable},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			_, in, _ := newConsumer(t, sqliteEngine)
-			srv := httptest.NewServer(newReceiver(t, in, shipMessage(tt.fail)))
-			t.Cleanup(srv.Close)
-			pub, err := outboxhttp.New(srv.URL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			err = pub.Publish(context.Background(), orderBatch("b-1"))
-			if (err != nil) != tt.wantErr || outbox.IsPermanent(err) != tt.wantPermanent {
-				t.Errorf("Publish = %v (permanent: %v); want error %v, permanent %v", err, outbox.IsPermanent(err), tt.wantErr, tt.wantPermanent)
+			if status, _ := post(t, newReceiver(t, in, shipMessage(tt.fail)), orderBatch("b-1")); status != tt.status {
+				t.Errorf("status %d, want %d", status, tt.status)
 			}
 		})
+	}
+}
+
+func TestReceiverAnswersEachOutcomeWithTheConsumersReasonAndWhetherItIsPermanent(t *testing.T) {
+	t.Parallel()
+	_, in, _ := newConsumer(t, sqliteEngine)
+	r := newReceiver(t, in, shipMessage(map[string]error{
+		"evt-1a": outbox.Permanent(errors.New("unknown product")),
+		"evt-2a": errors.New("stock service down"),
+	}))
+	body, err := json.Marshal(orderBatch("b-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := httptest.NewRequest(http.MethodPost, "/events", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(outboxhttp.HeaderIdempotencyKey, "b-1")
+	rec := httptest.NewRecorder()
+	r.ServeHTTP(rec, req)
+
+	// The body is the outboxhttp protocol's Response, in the batch's order.
+	var got outboxhttp.Response
+	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil || rec.Header().Get("Content-Type") != "application/json" {
+		t.Fatalf("answer %q (%s) is not a JSON outboxhttp.Response: %v", rec.Body, rec.Header().Get("Content-Type"), err)
+	}
+	want := outboxhttp.Response{BatchID: "b-1", Results: []outboxhttp.Result{
+		{EventID: "evt-1a", Outcome: outboxhttp.Failed, Error: "permanent: unknown product", Permanent: true},
+		{EventID: "evt-1b", Outcome: outboxhttp.NotAttempted, Error: "outbox: message not attempted: evt-1a of the same aggregate failed earlier in the batch"},
+		{EventID: "evt-2a", Outcome: outboxhttp.Failed, Error: "stock service down"},
+	}}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("answer\n %+v\nwant\n %+v", got, want)
 	}
 }
 
@@ -190,10 +222,20 @@ func TestReceiverRefusesRequestsThatFailTheChecks(t *testing.T) {
 			t.Fatal(err)
 		}
 		err = pub.Publish(context.Background(), tt.batch)
-		var se *outboxhttp.StatusError
+		var (
+			se      *outboxhttp.StatusError
+			partial *outbox.PartialError
+		)
 		switch {
 		case tt.status == http.StatusOK && err != nil:
 			t.Errorf("%s: Publish = %v, want nil", tt.name, err)
+		case tt.status == http.StatusRequestEntityTooLarge:
+			// The publisher sends the big message alone: it fails, too
+			// large; the other aggregate's message goes through.
+			if !errors.As(err, &partial) || !errors.Is(partial.Failed["evt-1a"], outboxhttp.ErrTooLarge) || partial.Failed["evt-2a"] != nil ||
+				!strings.Contains(partial.Failed["evt-1a"].Error(), "413") {
+				t.Errorf("%s: Publish = %v, want evt-1a failed alone on a 413", tt.name, err)
+			}
 		case tt.status != http.StatusOK && (!errors.As(err, &se) || se.StatusCode != tt.status):
 			t.Errorf("%s: Publish = %v, want status %d", tt.name, err, tt.status)
 		}
@@ -257,5 +299,215 @@ func TestHandleBatchStopsWhenTheContextEnds(t *testing.T) {
 	}
 	if n := len(shipments(t, db)); n > 1 {
 		t.Errorf("%d messages applied after the context ended, want at most the first", n)
+	}
+}
+
+// recordRequests wraps h: it records the event ids of each batch h is
+// posted, in order, and passes the request on unchanged.
+type recordRequests struct {
+	h        http.Handler
+	mu       sync.Mutex
+	requests [][]string
+}
+
+func (rr *recordRequests) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err == nil {
+		var b outbox.Batch
+		if json.Unmarshal(body, &b) == nil {
+			var ids []string
+			for _, m := range b.Messages {
+				ids = append(ids, m.EventID)
+			}
+			rr.mu.Lock()
+			rr.requests = append(rr.requests, ids)
+			rr.mu.Unlock()
+		}
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	rr.h.ServeHTTP(w, r)
+}
+
+func (rr *recordRequests) Requests() [][]string {
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	return append([][]string(nil), rr.requests...)
+}
+
+// producer is the service whose outbox delivers to a Receiver over HTTP.
+type producer struct {
+	db *gorm.DB
+	d  *outbox.Dispatcher
+}
+
+// newProducer opens a fresh outbox on e whose dispatcher, made with opts,
+// posts to h through a real HTTP server and an outboxhttp publisher made
+// with pubOpts.
+func newProducer(t *testing.T, e outboxtest.Engine, h http.Handler, pubOpts []outboxhttp.Option, opts ...outbox.DispatcherOption) producer {
+	t.Helper()
+	db, _ := outboxtest.Open(t, e, nil)
+	if err := db.Use(outbox.Plugin()); err != nil {
+		t.Fatal(err)
+	}
+	if err := outbox.AutoMigrate(db); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	pub, err := outboxhttp.New(srv.URL, pubOpts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := outbox.NewDispatcher(db, pub, append([]outbox.DispatcherOption{outbox.WithLogger(outboxtest.Logger(t))}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return producer{db: db, d: d}
+}
+
+// write commits one event of order agg per id, in order.
+func (p producer) write(t *testing.T, agg string, ids ...string) {
+	t.Helper()
+	for _, id := range ids {
+		ev := outbox.Event{ID: id, Type: "order.updated", AggregateType: "order", AggregateID: agg, Payload: map[string]string{"id": id}}
+		if err := outbox.Publish(p.db, ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// drain dispatches until a round finds nothing due.
+func (p producer) drain(t *testing.T) {
+	t.Helper()
+	for range 100 {
+		n, err := p.d.DispatchOnce(context.Background())
+		if err != nil {
+			t.Fatalf("DispatchOnce: %v", err)
+		}
+		if n == 0 {
+			return
+		}
+	}
+	t.Fatal("still dispatching after 100 rounds")
+}
+
+// rows returns each outbox row as "state/attempts", followed by
+// ": last_error" when it has one, by event id.
+func (p producer) rows(t *testing.T) map[string]string {
+	t.Helper()
+	got := map[string]string{}
+	for _, r := range outboxtest.Records(t, p.db, outbox.DefaultTable) {
+		got[r.EventID] = fmt.Sprintf("%s/%d", r.DeliveryState, r.DeliveryAttempts)
+		if r.LastError.Valid {
+			got[r.EventID] += ": " + r.LastError.String
+		}
+	}
+	return got
+}
+
+func checkRows(t *testing.T, got, want map[string]string) {
+	t.Helper()
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("outbox rows:\n got %q\nwant %q", got, want)
+	}
+}
+
+func TestADeadLetterHoldsBackItsOwnAggregateAndNoOtherThroughTheReceiver(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		consumer, in, _ := newConsumer(t, engine(e))
+		refuse := shipMessage(map[string]error{"evt-1a": outbox.Permanent(errors.New("unknown product"))})
+		p := newProducer(t, e, newReceiver(t, in, refuse), nil)
+
+		p.write(t, "1", "evt-1a", "evt-1b")
+		p.write(t, "2", "evt-2a")
+		p.drain(t)
+		checkRows(t, p.rows(t), map[string]string{
+			"evt-1a": "failed/1: permanent: unknown product", // the consumer's reason, alone
+			"evt-1b": "pending/0",                            // not attempted, behind it
+			"evt-2a": "delivered/1",
+		})
+
+		// Later events: order 2's go on, order 1's wait for its dead letter.
+		p.write(t, "1", "evt-1c")
+		p.write(t, "2", "evt-2b")
+		p.drain(t)
+		checkRows(t, p.rows(t), map[string]string{
+			"evt-1a": "failed/1: permanent: unknown product",
+			"evt-1b": "pending/0",
+			"evt-1c": "pending/0",
+			"evt-2a": "delivered/1",
+			"evt-2b": "delivered/1",
+		})
+		if got, want := shipments(t, consumer), map[string]int{"evt-2a": 1, "evt-2b": 1}; !reflect.DeepEqual(got, want) {
+			t.Errorf("the consumer applied %v, want %v", got, want)
+		}
+	})
+}
+
+func TestATransientRefusalThroughTheReceiverRetriesOnlyThatMessage(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		consumer, in, _ := newConsumer(t, engine(e))
+		var refused atomic.Bool
+		apply := func(tx *gorm.DB, m outbox.Message) error {
+			if m.EventID == "evt-2a" && !refused.Swap(true) {
+				return errors.New("stock service down")
+			}
+			return shipMessage(nil)(tx, m)
+		}
+		rec := &recordRequests{h: newReceiver(t, in, apply)}
+		now := outbox.RetryPolicyFunc(func(int, error) time.Duration { return 0 })
+		p := newProducer(t, e, rec, nil, outbox.WithRetryPolicy(now))
+
+		p.write(t, "1", "evt-1a", "evt-1b")
+		p.write(t, "2", "evt-2a")
+		if _, err := p.d.DispatchOnce(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		checkRows(t, p.rows(t), map[string]string{
+			"evt-1a": "delivered/1",
+			"evt-1b": "delivered/1",
+			"evt-2a": "retry/1: stock service down",
+		})
+		p.drain(t)
+		checkRows(t, p.rows(t), map[string]string{"evt-1a": "delivered/1", "evt-1b": "delivered/1", "evt-2a": "delivered/2"})
+		if got, want := rec.Requests(), [][]string{{"evt-1a", "evt-1b", "evt-2a"}, {"evt-2a"}}; !reflect.DeepEqual(got, want) {
+			t.Errorf("the receiver got %v, want %v: only the refused message again", got, want)
+		}
+		checkAppliedOnce(t, consumer, "evt-1a", "evt-1b", "evt-2a")
+	})
+}
+
+func TestAMessageTooLargeForTheReceiverFailsAloneAndTheRestOfItsBatchIsDelivered(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		pubOpts []outboxhttp.Option
+	}{
+		{"the publisher knows the receiver's limit", []outboxhttp.Option{outboxhttp.WithMaxBodyBytes(4096)}},
+		{"the receiver answers 413", nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			consumer, in, _ := newConsumer(t, sqliteEngine)
+			p := newProducer(t, outboxtest.SQLite, newReceiver(t, in, shipMessage(nil), inbox.WithMaxBytes(4096)), tt.pubOpts)
+			if err := outbox.Publish(p.db, brokertest.OversizedEvents(5000)...); err != nil {
+				t.Fatal(err)
+			}
+			p.drain(t)
+
+			rows := p.rows(t)
+			big := rows["big"]
+			delete(rows, "big")
+			checkRows(t, rows, map[string]string{"after-big": "pending/0", "other": "delivered/1"})
+			var size int
+			if m := regexp.MustCompile(`(\d+) bytes on its own`).FindStringSubmatch(big); m != nil {
+				size, _ = strconv.Atoi(m[1])
+			}
+			if !strings.HasPrefix(big, "failed/1: permanent: ") || !strings.Contains(big, "too large") || size < 5000 || size > 5500 {
+				t.Errorf("big: %s; want failed, permanent, too large, naming its size (a little over 5000 bytes)", big)
+			}
+			checkAppliedOnce(t, consumer, "other")
+		})
 	}
 }

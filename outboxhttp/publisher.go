@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -57,6 +58,7 @@ type Publisher struct {
 	secret    []byte
 	header    http.Header
 	userAgent string
+	maxBody   int64
 }
 
 var _ outbox.Publisher = (*Publisher)(nil)
@@ -72,6 +74,7 @@ type config struct {
 	secret    []byte
 	header    http.Header
 	userAgent string
+	maxBody   int64
 }
 
 // WithClient makes the publisher send its requests through c, including c's
@@ -160,6 +163,26 @@ func WithUserAgent(ua string) Option {
 	}
 }
 
+// WithMaxBodyBytes bounds the body of each request to n bytes. A batch
+// whose body would be larger goes in several requests, one after the
+// other; a message that does not fit in a request of its own is not sent,
+// and fails alone, permanently (see [Publisher.Publish]). Set it to the
+// receiver's limit: a receiver that still answers 413 costs a few more
+// requests, as Publish splits the refused request in halves to find the
+// message too large. n must be positive.
+//
+// Default: [DefaultMaxBytes] (1 MiB), the limit [DecodeRequest] and
+// inbox.Receiver apply unless told otherwise.
+func WithMaxBodyBytes(n int64) Option {
+	return func(cfg *config) error {
+		if n <= 0 {
+			return fmt.Errorf("%w: WithMaxBodyBytes: must be positive, got %d", outbox.ErrInvalidOption, n)
+		}
+		cfg.maxBody = n
+		return nil
+	}
+}
+
 // New returns a publisher that posts batches to rawURL, which must be an
 // absolute http or https URL with a host. It fails with an error wrapping
 // [outbox.ErrInvalidOption] when rawURL or an option is invalid; the error
@@ -182,7 +205,7 @@ func New(rawURL string, opts ...Option) (*Publisher, error) {
 		return nil, fmt.Errorf("%w: url: no host in %s", outbox.ErrInvalidOption, u.Redacted())
 	}
 
-	cfg := config{timeout: DefaultTimeout, header: make(http.Header), userAgent: DefaultUserAgent}
+	cfg := config{timeout: DefaultTimeout, header: make(http.Header), userAgent: DefaultUserAgent, maxBody: DefaultMaxBytes}
 	for _, opt := range opts {
 		if err := opt(&cfg); err != nil {
 			return nil, err
@@ -199,6 +222,7 @@ func New(rawURL string, opts ...Option) (*Publisher, error) {
 		secret:    cfg.secret,
 		header:    cfg.header,
 		userAgent: cfg.userAgent,
+		maxBody:   cfg.maxBody,
 	}, nil
 }
 
@@ -223,40 +247,261 @@ func defaultClient() *http.Client {
 	}
 }
 
-// Publish posts b as JSON and reports the outcome:
+// Publish sends b to the endpoint, in one request or, when its body would
+// be larger than [WithMaxBodyBytes] or the endpoint answers 413, in
+// several, and settles each message by the answers, as the package
+// documentation describes:
 //
-//   - nil when the endpoint answered 2xx: every message was accepted;
-//   - a retryable error for 408, 429 and 5xx responses, network errors,
-//     timeouts and the end of ctx;
-//   - a permanent error ([outbox.IsPermanent]) for any other response, for a
-//     batch without an ID, and for a batch that cannot be encoded.
+//   - nil when every message was accepted;
+//   - the error of the request, when one request failed as a whole
+//     (network error, timeout, end of ctx, a status without results,
+//     results that do not describe it) before any message was accepted or
+//     failed otherwise: retryable, or permanent ([outbox.IsPermanent]) for
+//     a 4xx other than 408, 413 and 429 and for an unfollowed redirect; it
+//     wraps a [*StatusError] when the endpoint answered;
+//   - otherwise a wrapped [*outbox.PartialError] naming each message not
+//     accepted: with the receiver's reason for a failed result (permanent
+//     when the result says so), [outbox.ErrNotAttempted] for a message not
+//     attempted or not sent behind one of its aggregate, a permanent
+//     error wrapping [ErrTooLarge] for a message too large to send alone,
+//     and the error of the request that failed as a whole for the
+//     messages it and the later requests would have carried.
 //
-// When the endpoint answered, the error wraps a [*StatusError]. Publish never
-// returns an [*outbox.PartialError]: a batch is accepted or refused as a
-// whole. The response body is always closed.
+// A batch without an ID, or one that cannot be encoded, fails permanently
+// without a request. Every response body is closed.
 func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 	if b.ID == "" || !validHeaderValue(b.ID) {
 		return outbox.Permanent(fmt.Errorf("outboxhttp: batch ID %q cannot be sent as %s", b.ID, HeaderIdempotencyKey))
 	}
-	body, err := encodeBatch(b)
-	if err != nil {
-		return outbox.Permanent(fmt.Errorf("outboxhttp: encode batch %s: %w", b.ID, err))
+	s := &sending{
+		p:       p,
+		batch:   b,
+		enc:     make([][]byte, len(b.Messages)),
+		errs:    make([]error, len(b.Messages)),
+		settled: make([]bool, len(b.Messages)),
+		blocked: make(map[aggregate]int),
 	}
+	for i, m := range b.Messages {
+		var err error
+		if s.enc[i], err = encodeJSON(m); err != nil {
+			return outbox.Permanent(fmt.Errorf("outboxhttp: encode batch %s: event %s: %w", b.ID, m.EventID, err))
+		}
+	}
+	s.run(ctx)
+	return s.result()
+}
 
+// sending is one call of Publish: the requests it makes and what became of
+// each message of the batch.
+type sending struct {
+	p     *Publisher
+	batch outbox.Batch
+	enc   [][]byte // each message as JSON, in the batch's order
+	// errs and settled are, per message, why it was not accepted (nil when
+	// it was) and whether that is known yet.
+	errs    []error
+	settled []bool
+	// blocked is, per aggregate, the position of its first message that
+	// was not accepted: its later messages are not sent.
+	blocked map[aggregate]int
+	// requests counts the requests made.
+	requests int
+	// whole is the error of the request that failed as a whole, if one
+	// did; byWhole counts the messages it settled.
+	whole   error
+	byWhole int
+}
+
+type aggregate struct{ typ, id string }
+
+// answer is what one request's response says.
+type answer struct {
+	// errs is, per message of the request, nil when it was accepted or
+	// why not; nil when the request failed as a whole.
+	errs []error
+	// err is why the request failed as a whole.
+	err error
+	// tooLarge: the endpoint answered 413 without results; err holds the
+	// *StatusError.
+	tooLarge bool
+}
+
+// run sends the batch in as many requests as its size and the endpoint's
+// answers need, settling every message.
+func (s *sending) run(ctx context.Context) {
+	all := make([]int, len(s.batch.Messages))
+	for i := range all {
+		all[i] = i
+	}
+	// queue holds runs of message positions, in the batch's order, still
+	// to send; each is sent in as few requests as fit.
+	queue := [][]int{all}
+	for len(queue) > 0 {
+		run := s.unblocked(queue[0])
+		queue = queue[1:]
+		if len(run) == 0 {
+			continue
+		}
+		id := s.requestID(s.requests + 1)
+		n, size := s.fit(id, run)
+		if n == 0 {
+			m := s.batch.Messages[run[0]]
+			s.settle(run[0], outbox.Permanent(fmt.Errorf("%w: event %s makes a request of %d bytes on its own, more than the %d bytes of WithMaxBodyBytes",
+				ErrTooLarge, m.EventID, size, s.p.maxBody)))
+			queue = append([][]int{run[1:]}, queue...)
+			continue
+		}
+		chunk := run[:n]
+		if n < len(run) {
+			queue = append([][]int{run[n:]}, queue...)
+		}
+		s.requests++
+		a := s.post(ctx, id, chunk)
+		switch {
+		case a.tooLarge && len(chunk) > 1:
+			half := len(chunk) / 2
+			queue = append([][]int{chunk[:half], chunk[half:]}, queue...)
+		case a.tooLarge:
+			s.settle(chunk[0], outbox.Permanent(fmt.Errorf("%w: event %s makes a request of %d bytes on its own, answered %w",
+				ErrTooLarge, s.batch.Messages[chunk[0]].EventID, size, a.err)))
+		case a.errs != nil:
+			for i, pos := range chunk {
+				s.settle(pos, a.errs[i])
+			}
+		default:
+			// Whatever made this request fail would most likely fail the
+			// rest: it is not sent, and fails the same way.
+			s.whole = a.err
+			for pos := range s.batch.Messages {
+				if !s.settled[pos] {
+					s.settle(pos, a.err)
+					s.byWhole++
+				}
+			}
+			return
+		}
+	}
+}
+
+// requestID is the batch_id of the n-th request (from 1) of the batch.
+func (s *sending) requestID(n int) string {
+	if n == 1 {
+		return s.batch.ID
+	}
+	return s.batch.ID + "." + strconv.Itoa(n)
+}
+
+// unblocked returns the positions of run whose aggregate has no earlier
+// message that was not accepted, and settles the others as not attempted.
+func (s *sending) unblocked(run []int) []int {
+	out := run[:0:0]
+	for _, pos := range run {
+		m := s.batch.Messages[pos]
+		if first, ok := s.blocked[aggregate{m.AggregateType, m.AggregateID}]; ok && first < pos {
+			s.settle(pos, fmt.Errorf("%w: %s of the same aggregate was not accepted", outbox.ErrNotAttempted, s.batch.Messages[first].EventID))
+			continue
+		}
+		out = append(out, pos)
+	}
+	return out
+}
+
+// settle records what became of the message at pos.
+func (s *sending) settle(pos int, err error) {
+	s.errs[pos], s.settled[pos] = err, true
+	if err == nil {
+		return
+	}
+	m := s.batch.Messages[pos]
+	agg := aggregate{m.AggregateType, m.AggregateID}
+	if first, ok := s.blocked[agg]; !ok || pos < first {
+		s.blocked[agg] = pos
+	}
+}
+
+// result is what Publish returns once every message is settled.
+func (s *sending) result() error {
+	failed := make(map[string]error)
+	for pos, err := range s.errs {
+		if err != nil {
+			failed[s.batch.Messages[pos].EventID] = err
+		}
+	}
+	switch {
+	case len(failed) == 0:
+		return nil
+	case s.whole != nil && s.byWhole == len(s.errs):
+		return s.whole
+	}
+	return fmt.Errorf("outboxhttp: POST %s: batch %s: %w", s.p.redacted, s.batch.ID, &outbox.PartialError{Failed: failed})
+}
+
+// Parts of a request body around the batch_id and the messages.
+const (
+	bodyStart    = `{"batch_id":`
+	bodyMessages = `,"messages":[`
+	bodyEnd      = `]}`
+)
+
+// fit returns how many messages of run, from the first, fit in one request
+// with batch_id id, and that request's size in bytes; 0 and the size of
+// the request of the first message alone when even that does not fit.
+func (s *sending) fit(id string, run []int) (n int, size int64) {
+	idJSON, _ := encodeJSON(id) // a string always encodes
+	size = int64(len(bodyStart) + len(idJSON) + len(bodyMessages) + len(bodyEnd))
+	for i, pos := range run {
+		add := int64(len(s.enc[pos]))
+		if i > 0 {
+			add++ // the comma
+		}
+		if size+add > s.p.maxBody {
+			if i == 0 {
+				return 0, size + add
+			}
+			return i, size
+		}
+		size += add
+	}
+	return len(run), size
+}
+
+// body is the request body of the messages at chunk, with batch_id id: the
+// same bytes as the JSON of an outbox.Batch holding them.
+func (s *sending) body(id string, chunk []int) []byte {
+	idJSON, _ := encodeJSON(id)
+	var buf bytes.Buffer
+	buf.WriteString(bodyStart)
+	buf.Write(idJSON)
+	buf.WriteString(bodyMessages)
+	for i, pos := range chunk {
+		if i > 0 {
+			buf.WriteByte(',')
+		}
+		buf.Write(s.enc[pos])
+	}
+	buf.WriteString(bodyEnd)
+	return buf.Bytes()
+}
+
+// post sends the messages at chunk in one request with batch_id id, and
+// reads what the response says of them.
+func (s *sending) post(ctx context.Context, id string, chunk []int) answer {
+	p := s.p
+	body := s.body(id, chunk)
 	ctx, cancel := context.WithTimeout(ctx, p.timeout)
 	defer cancel()
 
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.url, bytes.NewReader(body))
 	if err != nil {
-		return outbox.Permanent(fmt.Errorf("outboxhttp: POST %s: %w", p.redacted, err))
+		return answer{err: outbox.Permanent(fmt.Errorf("outboxhttp: POST %s: %w", p.redacted, err))}
 	}
 	for key, values := range p.header {
 		req.Header[key] = append([]string(nil), values...)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", p.userAgent)
-	req.Header.Set(HeaderIdempotencyKey, b.ID)
-	req.Header.Set(HeaderBatchSize, strconv.Itoa(len(b.Messages)))
+	req.Header.Set(HeaderIdempotencyKey, id)
+	req.Header.Set(HeaderBatchSize, strconv.Itoa(len(chunk)))
 	if len(p.secret) > 0 {
 		req.Header.Set(HeaderSignature, sign(p.secret, body))
 	}
@@ -269,50 +514,75 @@ func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 		if errors.As(err, &ue) {
 			err = ue.Err
 		}
-		return fmt.Errorf("outboxhttp: POST %s: %w", p.redacted, err)
+		return answer{err: fmt.Errorf("outboxhttp: POST %s: %w", p.redacted, err)}
 	}
 	defer func() {
 		_, _ = io.CopyN(io.Discard, resp.Body, drainLimit)
 		_ = resp.Body.Close()
 	}()
 
-	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
-		// A client that follows 301/302/303 turns the POST into a GET: a 2xx
-		// for that GET says nothing about the batch.
-		if resp.Request != nil && resp.Request.Method != http.MethodPost {
-			return outbox.Permanent(fmt.Errorf("outboxhttp: POST %s: redirected to %s %s, batch not delivered",
-				p.redacted, resp.Request.Method, resp.Request.URL.Redacted()))
-		}
-		return nil
+	success := resp.StatusCode >= 200 && resp.StatusCode < 300
+	// A client that follows 301/302/303 turns the POST into a GET: a 2xx
+	// for that GET says nothing about the batch.
+	if success && resp.Request != nil && resp.Request.Method != http.MethodPost {
+		return answer{err: outbox.Permanent(fmt.Errorf("outboxhttp: POST %s: redirected to %s %s, batch not delivered",
+			p.redacted, resp.Request.Method, resp.Request.URL.Redacted()))}
 	}
 
-	head, _ := io.ReadAll(io.LimitReader(resp.Body, errorBodyLimit))
+	retryAfter := parseRetryAfter(resp.Header.Get("Retry-After"), time.Now())
+	limit := int64(errorBodyLimit)
+	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	if mt == "application/json" {
+		limit = resultsLimit
+	}
+	head, _ := io.ReadAll(io.LimitReader(resp.Body, limit))
+	if mt == "application/json" {
+		msgs := make([]outbox.Message, len(chunk))
+		for i, pos := range chunk {
+			msgs[i] = s.batch.Messages[pos]
+		}
+		errs, ok, err := decodeResults(head, id, msgs, retryAfter)
+		if err != nil {
+			return answer{err: fmt.Errorf("outboxhttp: POST %s: status %d: %w", p.redacted, resp.StatusCode, err)}
+		}
+		if ok {
+			return answer{errs: errs}
+		}
+	}
+	if success {
+		return answer{errs: make([]error, len(chunk))}
+	}
+
 	serr := &StatusError{
 		StatusCode: resp.StatusCode,
-		Body:       string(head),
-		RetryAfter: parseRetryAfter(resp.Header.Get("Retry-After"), time.Now()),
+		Body:       string(head[:min(len(head), errorBodyLimit)]),
+		RetryAfter: retryAfter,
+	}
+	if resp.StatusCode == http.StatusRequestEntityTooLarge {
+		return answer{tooLarge: true, err: serr}
 	}
 	err = fmt.Errorf("outboxhttp: POST %s: %w", p.redacted, serr)
 	if retryableStatus(resp.StatusCode) {
-		return err
+		return answer{err: err}
 	}
-	return outbox.Permanent(err)
+	return answer{err: outbox.Permanent(err)}
 }
 
-// encodeBatch is json.Marshal(b) without HTML escaping, so that payloads
+// encodeJSON is json.Marshal(v) without HTML escaping, so that payloads
 // containing <, > or & keep those characters.
-func encodeBatch(b outbox.Batch) ([]byte, error) {
+func encodeJSON(v any) ([]byte, error) {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
 	enc.SetEscapeHTML(false)
-	if err := enc.Encode(b); err != nil {
+	if err := enc.Encode(v); err != nil {
 		return nil, err
 	}
 	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
 }
 
-// StatusError reports a response whose status was not 2xx. Publish returns
-// it wrapped; use errors.As to inspect it.
+// StatusError reports a response without results whose status was not
+// 2xx. Publish returns it wrapped, when a request failed as a whole; use
+// errors.As to inspect it.
 type StatusError struct {
 	// StatusCode is the response's status code.
 	StatusCode int
@@ -324,12 +594,12 @@ type StatusError struct {
 	RetryAfter time.Duration
 }
 
-// Error describes the status, the requested delay if any, and the start of the
-// body, on one line.
 // RetryDelay returns RetryAfter, so that the dispatcher waits at least as
 // long as the receiver asked before trying again (see outbox.RetryDelayer).
 func (e *StatusError) RetryDelay() time.Duration { return e.RetryAfter }
 
+// Error describes the status, the requested delay if any, and the start of the
+// body, on one line.
 func (e *StatusError) Error() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "status %d", e.StatusCode)

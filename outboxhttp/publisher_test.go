@@ -606,6 +606,8 @@ func TestNewRejectsInvalidConfiguration(t *testing.T) {
 		{"header value with newline", ok, []outboxhttp.Option{outboxhttp.WithHeader("X-Ok", "a\r\nb")}, "WithHeader"},
 		{"reserved header", ok, []outboxhttp.Option{outboxhttp.WithHeader("idempotency-key", "v")}, "WithHeader"},
 		{"empty user agent", ok, []outboxhttp.Option{outboxhttp.WithUserAgent("")}, "WithUserAgent"},
+		{"zero max body", ok, []outboxhttp.Option{outboxhttp.WithMaxBodyBytes(0)}, "WithMaxBodyBytes"},
+		{"negative max body", ok, []outboxhttp.Option{outboxhttp.WithMaxBodyBytes(-1)}, "WithMaxBodyBytes"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -27,7 +27,9 @@ var (
 	ErrBadSignature = errors.New("outboxhttp: bad signature")
 
 	// ErrTooLarge is returned by [DecodeRequest] when the body exceeds the
-	// limit. A receiver should answer 413.
+	// limit; a receiver should answer 413. A [Publisher] reports it
+	// (wrapped, permanent, naming the size) for a message too large to send
+	// in a request of its own, or that the receiver answered 413 alone.
 	ErrTooLarge = errors.New("outboxhttp: request body too large")
 
 	// ErrMalformed is returned (wrapped, with the reason) by [DecodeRequest]
