@@ -228,8 +228,9 @@ func WithLogger(l *slog.Logger) DispatcherOption {
 }
 
 // NewDispatcher returns a dispatcher that delivers the outbox rows of db to
-// p. db must not be inside a transaction. It validates every option; an
-// invalid one yields an error wrapping [ErrInvalidOption] that names it.
+// p. db must not be inside a transaction, and on MySQL (MariaDB) its DSN
+// must have parseTime=true. It validates every option; an invalid one
+// yields an error wrapping [ErrInvalidOption] that names it.
 func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatcher, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: nil *gorm.DB", ErrInvalidOption)
@@ -246,6 +247,9 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	}
 	if err := dl.CheckPool(db); err != nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: %w", ErrInvalidOption, err)
+	}
+	if err := checkParseTime(db, dl); err != nil {
+		return nil, err
 	}
 	d := &Dispatcher{
 		db:             db,

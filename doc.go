@@ -69,7 +69,12 @@
 // [Dispatcher.Run] dispatches continuously; [NewScheduler] instead drives
 // dispatch, the retry_failed sweep and cleanup from a robfig/cron/v3
 // schedule. Publishers shipped with the library: [Handlers] for in-process
-// handlers by event type, and the outboxhttp package for an HTTP gateway.
+// handlers by event type, [PublisherFunc] for a function, and, each in a
+// package of its own, outboxhttp (an HTTP endpoint, the body signed when
+// given a secret), outboxnats (NATS JetStream), outboxkafka (Kafka,
+// through franz-go), outboxamqp (RabbitMQ, with publisher confirms) and
+// outboxredis (Redis Streams). The outboxprom and outboxotel packages wrap
+// any of them with metrics and traces.
 //
 // # Engines
 //

@@ -11,8 +11,10 @@ import (
 
 // ErrNoHandler is wrapped, inside a [Permanent] error, by the failure that
 // [Handlers] reports under [FailUnhandled] for a message whose event type has
-// no handler. The message is dead-lettered; once a handler is registered,
-// [Dispatcher.RetryFailed] can bring it back.
+// no handler. The message is dead-lettered for good: the retry_failed
+// sweep ([Dispatcher.RetryFailed]) leaves it alone; once a handler is
+// registered, a person brings it back with [Dispatcher.Requeue]
+// (outboxctl requeue, the dashboard).
 var ErrNoHandler = errors.New("outbox: no handler for event type")
 
 // HandlerFunc handles one message in process. Returning nil accepts the
@@ -31,9 +33,10 @@ type UnhandledPolicy int
 
 const (
 	// FailUnhandled, the default, fails a message that has no handler with
-	// a [Permanent] error wrapping [ErrNoHandler]: it is dead-lettered, and
-	// [Dispatcher.RetryFailed] can bring it back once a handler exists. Like
-	// any failure, it holds back the later messages of its aggregate.
+	// a [Permanent] error wrapping [ErrNoHandler]: it is dead-lettered,
+	// and stays failed until, once a handler exists, a person requeues it
+	// ([Dispatcher.Requeue]); [Dispatcher.RetryFailed] never revives it.
+	// Like any failure, it holds back the later messages of its aggregate.
 	FailUnhandled UnhandledPolicy = iota
 	// SkipUnhandled accepts a message that has no handler without handling
 	// it: it is marked delivered and dropped, deliberately.

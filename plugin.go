@@ -118,7 +118,7 @@ func validateTable(name string) error {
 // Plugin returns the outbox plugin, to be registered with db.Use. An
 // invalid option makes db.Use fail with an error wrapping
 // [ErrInvalidOption]; so does an engine other than PostgreSQL, MySQL
-// (MariaDB) or SQLite.
+// (MariaDB) or SQLite, and a MySQL DSN without parseTime=true.
 func Plugin(opts ...Option) *OutboxPlugin {
 	p := &OutboxPlugin{
 		tables:   dialect.TablesFor(DefaultTable),
@@ -145,8 +145,12 @@ func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
 	if p.err != nil {
 		return p.err
 	}
-	if _, err := dialect.For(db); err != nil {
+	dl, err := dialect.For(db)
+	if err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidOption, err)
+	}
+	if err := checkParseTime(db, dl); err != nil {
+		return err
 	}
 	return p.registerCallbacks(db)
 }

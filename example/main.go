@@ -122,7 +122,7 @@ func run(ctx context.Context, out io.Writer) error {
 	}
 	sched, err := outbox.NewScheduler(d, outbox.Schedule{
 		Dispatch:    "* * * * * *",   // every second (the first field is seconds)
-		RetryFailed: "0 */5 * * * *", // dead-lettered events back to pending every 5 minutes
+		RetryFailed: "0 */5 * * * *", // events that ran out of attempts back to pending every 5 minutes
 		Cleanup:     "@hourly",       // delete delivered rows older than the retention
 	})
 	if err != nil {
@@ -142,8 +142,9 @@ func run(ctx context.Context, out io.Writer) error {
 		}
 	}
 	alice, bob, carol, dave := orders[0], orders[1], orders[2], orders[3]
-	// Update through the model, which has its primary key, so that the plugin
-	// knows which order changed (an update by condition fails).
+	// Update through the model, which has its primary key: one order
+	// changes, and it records one event. (An update by condition, say
+	// Where("status = ?", "new"), records one event per row it changes.)
 	for _, u := range []struct {
 		order  *Order
 		status string

@@ -25,12 +25,13 @@ const DefaultTable = "inbox_records"
 const DefaultCleanupBatch = 1000
 
 // MaxIDLength is the longest message id, and message type, the inbox
-// records, in characters (Unicode code points). The outbox stores event
-// ids as unbounded text on PostgreSQL and SQLite; 255 is what a
-// VARCHAR(255) primary key holds on MySQL and MariaDB (1,020 bytes in
-// utf8mb4, within InnoDB's key limit), so that an id accepted on one
-// engine is accepted on every engine. The outbox's own ids, UUIDv7s, have
-// 36.
+// records, in characters (Unicode code points): the outbox's own limits
+// ([outbox.MaxEventIDLength], [outbox.MaxEventTypeLength]), so every event
+// the outbox delivers fits. 255 is what a VARCHAR(255) primary key holds
+// on MySQL and MariaDB (1,020 bytes in utf8mb4, within InnoDB's key
+// limit), and the inbox checks it on every engine, so that an id accepted
+// on one engine is accepted on every engine. The outbox's generated ids,
+// UUIDv7s, have 36.
 const MaxIDLength = 255
 
 var (

@@ -48,12 +48,13 @@
 //
 // The messages of one aggregate are published in sequence order on one
 // connection without the client's own retries, so the stream stores them
-// in that order. When one fails, the later messages of its aggregate in
-// the batch are reported as [outbox.ErrNotAttempted]; those already stored
-// stay stored (the stream drops their copy when they are sent again after
-// the failed one, within the window), so a consumer can see an
-// aggregate's event n+1 before a failed event n arrives, or without it
-// when n is dead-lettered. aggregatesequence tells it.
+// in that order as long as none fails. When one fails, the later messages
+// of its aggregate in the batch are reported as [outbox.ErrNotAttempted];
+// those already sent and stored stay stored (the stream drops their copy
+// when they are sent again after the failed one, within the window), so
+// the stream can hold an aggregate's event n+1 before a failed event n,
+// or without it when n is dead-lettered. ce-aggregatesequence tells a
+// consumer which.
 //
 // # Errors
 //

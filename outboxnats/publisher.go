@@ -121,7 +121,7 @@ func New(js jetstream.JetStream, opts ...Option) (*Publisher, error) {
 //
 // Messages are published in batch order on one connection, without the
 // client's retries, so a stream stores the messages of one aggregate in
-// sequence order. No publish outlives ctx: once it ends, messages not yet
+// sequence order, save those sent after one that failed (above). No publish outlives ctx: once it ends, messages not yet
 // sent are reported as not attempted and those without an ack as failed
 // with ctx's error.
 func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {

@@ -18,7 +18,7 @@
 //	outboxctl requeue --type order.created  dead letters back to pending (--dry-run)
 //	outboxctl purge --older-than 168h       delete old delivered messages
 //	outboxctl migrate                       create the outbox tables
-//	outboxctl check                         verify the table; exit 1 on a violation
+//	outboxctl check                         verify the table; exit 2 on a violation
 //	outboxctl serve --addr :8080            the web dashboard (package outboxui)
 //
 // An error (an unreachable database, a table that does not exist, an
