@@ -89,7 +89,8 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 			_ = db.AddError(err)
 			return
 		}
-		r, err := p.run(db, d, op)
+		var r *returned
+		st.withModel(stmt, func() { r, err = p.run(db, d, op) })
 		if err != nil {
 			_ = db.AddError(err)
 			return
