@@ -194,3 +194,64 @@ func TestWriteThroughTableWithoutAModelRecordsNothing(t *testing.T) {
 		}
 	})
 }
+
+// Shelf's Books go with it: the database deletes them (ON DELETE CASCADE).
+type Shelf struct {
+	ID    uint
+	Name  string
+	Books []Book `gorm:"constraint:OnDelete:CASCADE"`
+}
+
+func (s *Shelf) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("shelf", op, s.ID, map[string]any{"ID": s.ID, "Name": s.Name}), nil
+}
+
+type Book struct {
+	ID      uint
+	ShelfID uint
+	Title   string
+}
+
+func (bk *Book) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("book", op, bk.ID, bk), nil
+}
+
+// TestCascadeDeleteRecordsOnlyWhatGormDeletes: rows the database removes
+// through ON DELETE CASCADE record nothing; deleting them through GORM
+// first, with Select, records each one's delete.
+func TestCascadeDeleteRecordsOnlyWhatGormDeletes(t *testing.T) {
+	cases := []struct {
+		name   string
+		delete func(db *gorm.DB, s *Shelf) error
+		want   []string
+	}{
+		{"ByTheDatabase", func(db *gorm.DB, s *Shelf) error { return db.Delete(s).Error }, []string{
+			`shelf.delete shelf/1#1 {"ID":1,"Name":"s"}`,
+		}},
+		{"ThroughGormFirst", func(db *gorm.DB, s *Shelf) error { return db.Select("Books").Delete(s).Error }, []string{
+			`book.delete book/1#1 {"ID":1,"ShelfID":1,"Title":"x"}`,
+			`book.delete book/2#1 {"ID":2,"ShelfID":1,"Title":"y"}`,
+			`shelf.delete shelf/1#1 {"ID":1,"Name":"s"}`,
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				mustNil(t, b.db.AutoMigrate(&Shelf{}, &Book{}))
+				s := Shelf{Name: "s", Books: []Book{{Title: "x"}, {Title: "y"}}}
+				mustNil(t, outbox.WithoutEvents(b.db).Create(&s).Error)
+				mustNil(t, c.delete(b.db, &s))
+				var n int64
+				mustNil(t, b.db.Model(&Book{}).Count(&n).Error)
+				if n != 0 {
+					t.Fatalf("%d books left, want none", n)
+				}
+				if got := styleEvents(t, b, 0); strings.Join(got, "\n") != strings.Join(c.want, "\n") {
+					t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(c.want, "\n"))
+				}
+			})
+		})
+	}
+}
