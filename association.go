@@ -38,9 +38,15 @@ func (p *OutboxPlugin) associationModel(stmt *gorm.Statement) (*schema.Schema, e
 	if !ok {
 		return nil, refuse("the plugin cannot read which model has that table")
 	}
+	// One model may be cached more than once (under a table name given
+	// with Table(...), as well); it counts once.
 	var emitting []*schema.Schema
 	cache.Range(func(_, v any) bool {
-		if s, ok := v.(*schema.Schema); ok && s.Table == stmt.Table && p.emitterFor(s.ModelType) != nil && !slices.Contains(emitting, s) {
+		s, ok := v.(*schema.Schema)
+		if !ok || s.Table != stmt.Table || p.emitterFor(s.ModelType) == nil {
+			return true
+		}
+		if !slices.ContainsFunc(emitting, func(e *schema.Schema) bool { return e.ModelType == s.ModelType }) {
 			emitting = append(emitting, s)
 		}
 		return true

@@ -84,15 +84,22 @@ func TestAssociationUpdateOfManyToManyRecordsAnUpdatePerRow(t *testing.T) {
 	ctx := context.Background()
 	cases := []struct {
 		name   string
+		before func(db *gorm.DB) error
 		update clause.Association
 		want   []string
 	}{
-		{"AllOfTheOwners", rename("Topics"), []string{
+		{"AllOfTheOwners", nil, rename("Topics"), []string{
 			`topic.update topic/1#1 {"ID":1,"Name":"renamed"}`,
 			`topic.update topic/2#1 {"ID":2,"Name":"renamed"}`,
 			`topic.update topic/3#1 {"ID":3,"Name":"renamed"}`,
 		}},
-		{"WithConditions", rename("Topics", clause.Eq{Column: clause.Column{Name: "name"}, Value: "b"}), []string{
+		{"WithConditions", nil, rename("Topics", clause.Eq{Column: clause.Column{Name: "name"}, Value: "b"}), []string{
+			`topic.update topic/2#1 {"ID":2,"Name":"renamed"}`,
+		}},
+		{"ModelGormHasParsedTwice", func(db *gorm.DB) error {
+			// The migrator parses Topic again, under the table name given.
+			return db.Table("topics").AutoMigrate(&Topic{})
+		}, rename("Topics", clause.Eq{Column: clause.Column{Name: "name"}, Value: "b"}), []string{
 			`topic.update topic/2#1 {"ID":2,"Name":"renamed"}`,
 		}},
 	}
@@ -101,6 +108,9 @@ func TestAssociationUpdateOfManyToManyRecordsAnUpdatePerRow(t *testing.T) {
 			t.Parallel()
 			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
 				b := setupWriters(t, e)
+				if c.before != nil {
+					mustNil(t, c.before(b.db))
+				}
 				_, err := gorm.G[Writer](b.db).Where("id = ?", 1).Set(c.update).Update(ctx)
 				mustNil(t, err)
 				got := styleEvents(t, b, 0)

@@ -158,6 +158,7 @@ func (p *OutboxPlugin) before(db *gorm.DB) {
 		model, err := p.associationModel(stmt)
 		if err != nil {
 			_ = db.AddError(err)
+			return
 		}
 		if model == nil {
 			return
