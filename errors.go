@@ -19,9 +19,11 @@ var (
 	// today, an upsert that may update (clause.OnConflict with DoUpdates
 	// or UpdateAll) on SQLite, whose RETURNING does not tell an update
 	// from an insert, when it does not name its conflict columns
-	// (clause.OnConflict{Columns: ...}) or its rows are maps; and any
-	// write of a kind the engine cannot return rows from. It is returned
-	// before the statement runs. Name the conflict columns,
+	// (clause.OnConflict{Columns: ...}) or its rows are maps; any write of
+	// a kind the engine cannot return rows from; and gorm.G's update of a
+	// many-to-many association's rows, which GORM runs without a model,
+	// when the plugin cannot tell which emitting model has their table. It
+	// is returned before the statement runs. Name the conflict columns,
 	// write the rows one by one, or, when no event is wanted, run the
 	// statement through [WithoutEvents] (and [Publish] what is needed).
 	ErrUnidentifiedRows = errors.New("outbox: cannot tell which rows the write changes")

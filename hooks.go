@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"gorm.io/gorm"
+	"gorm.io/gorm/schema"
 
 	"github.com/gorm-outbox/outbox/internal/dialect"
 )
@@ -81,6 +82,19 @@ type writeState struct {
 	replaced gorm.ConnPool // the statement's connection before outbox:before_* opened one
 	config   *gorm.Config  // the statement's configuration while GORM's write is a dry run
 	returned *returned     // the rows the write changed, once it has run
+	// model is the emitting model of a statement GORM runs without one
+	// (association.go), which the plugin's callbacks give the statement
+	// while they run; nil for a statement with its own.
+	model *schema.Schema
+}
+
+// withModel runs fn with st's model, if it has one, as stmt's schema.
+func (st *writeState) withModel(stmt *gorm.Statement, fn func()) {
+	if st.model != nil {
+		stmt.Schema = st.model
+		defer func() { stmt.Schema = nil }()
+	}
+	fn()
 }
 
 // gormStartedTxKey is the instance setting by which GORM's
@@ -139,10 +153,20 @@ func (p *OutboxPlugin) before(db *gorm.DB) {
 		return
 	}
 	stmt := db.Statement
-	if stmt.Schema == nil || p.emitterFor(stmt.Schema.ModelType) == nil {
+	st := &writeState{}
+	if stmt.Schema == nil {
+		model, err := p.associationModel(stmt)
+		if err != nil {
+			_ = db.AddError(err)
+			return
+		}
+		if model == nil {
+			return
+		}
+		st.model = model
+	} else if p.emitterFor(stmt.Schema.ModelType) == nil {
 		return
 	}
-	st := &writeState{}
 	setState(db, st)
 	if _, inTx := stmt.ConnPool.(gorm.TxCommitter); inTx {
 		_, started := db.InstanceGet(gormStartedTxKey)
@@ -179,7 +203,7 @@ func (p *OutboxPlugin) after(db *gorm.DB) {
 	}
 	completed := false
 	defer func() { p.finishTransaction(db, st, completed) }()
-	p.writeEvents(db, st)
+	st.withModel(db.Statement, func() { p.writeEvents(db, st) })
 	completed = true
 }
 

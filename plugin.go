@@ -41,7 +41,10 @@ const pluginName = "outbox"
 // created or updated by what happened to it. Writes by condition
 // (Where(...).Update, Delete by primary key value, GORM's association
 // statements, gorm.G[T]) and creates from maps record an event per row
-// written. Dry runs and ToSQL record nothing. A write that fails leaves
+// written. Dry runs and ToSQL record nothing; so do writes the plugin
+// cannot see: SQL through Exec or Raw, writes through Table(...) without
+// a model, and rows the database changes by itself (ON DELETE CASCADE,
+// triggers). A write that fails leaves
 // neither its rows nor its events behind, even when the caller ignores the
 // error and commits its transaction: on SQLite each write in the caller's
 // transaction runs inside a savepoint; on PostgreSQL a failure after the

@@ -29,8 +29,10 @@ import (
 // position when every row was written, by conflict target or primary key
 // otherwise), so that fields that are not columns (associations) stay as
 // the caller set them, or a fresh zero model (writes by condition, creates
-// from maps). A row an upsert updated is reported as an update: PostgreSQL
-// says so in RETURNING (xmax = 0 for a row the statement inserted); on
+// from maps). Either way its columns hold the row as stored: a NULL is
+// what a fresh read gives, not what the caller's struct held. A row an
+// upsert updated is reported as an update: PostgreSQL says so in
+// RETURNING (xmax = 0 for a row the statement inserted); on
 // SQLite the plugin reads which of the statement's conflict keys exist
 // first, in the same transaction, which SQLite's single writer keeps true
 // until the upsert has run.
@@ -88,7 +90,8 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 			_ = db.AddError(err)
 			return
 		}
-		r, err := p.run(db, d, op)
+		var r *returned
+		st.withModel(stmt, func() { r, err = p.run(db, d, op) })
 		if err != nil {
 			_ = db.AddError(err)
 			return
@@ -602,9 +605,14 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 	return out
 }
 
-// fill sets m's columns from row.
+// fill sets m's columns from row, so that they hold what a fresh read of
+// the row gives, whatever m held before. GORM's Set leaves a field as it
+// was for a NULL, so each column is reset to its zero value first: a NULL
+// then reads as it does into a new model (the zero value, a nil pointer,
+// an invalid sql.Null*; a Scanner is not asked to Scan(nil)).
 func (r *returned) fill(ctx context.Context, m reflect.Value, row returnedRow) {
 	for j, f := range r.cols {
+		f.ReflectValueOf(ctx, m).SetZero()
 		_ = f.Set(ctx, m, row.values[j]) // the driver scanned the value into the field's own holder
 	}
 }
