@@ -178,7 +178,8 @@ func (in *Inspector) Message(ctx context.Context, eventID string) (MessageInfo, 
 
 // RequeueCandidates returns the failed rows that [outbox.Dispatcher.Requeue] with
 // f would move now, in the order it takes them (oldest failure first) and
-// with its limit: what a dry run shows.
+// with its limit: what a dry run shows. [outbox.Dispatcher.Discard] takes
+// the same rows for the same filter.
 func (in *Inspector) RequeueCandidates(ctx context.Context, f outbox.RequeueFilter) ([]MessageInfo, error) {
 	mf := MessageFilter{States: []string{outbox.StateFailed}, EventIDs: f.EventIDs, EventTypes: f.EventTypes}
 	where, args := mf.where(in)
