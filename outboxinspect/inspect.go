@@ -198,6 +198,19 @@ func (in *Inspector) RequeueCandidates(ctx context.Context, f outbox.RequeueFilt
 	return msgs, nil
 }
 
+// PurgeCandidates counts the delivered rows that [outbox.Dispatcher.Cleanup]
+// with a retention of olderThan would delete now: those delivered longer
+// ago than olderThan. What a purge's dry run shows.
+func (in *Inspector) PurgeCandidates(ctx context.Context, olderThan time.Duration) (int64, error) {
+	var n int64
+	err := in.db.Statement.ConnPool.QueryRowContext(ctx, in.d.Bind(`SELECT count(*) FROM `+in.t.Records+`
+WHERE delivery_state = 'delivered' AND delivered_at < ?`), in.d.TimeArg(time.Now().Add(-olderThan))).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: purge candidates: %w", err)
+	}
+	return n, nil
+}
+
 // where returns f's conditions and their arguments.
 func (f MessageFilter) where(in *Inspector) ([]string, []any) {
 	var (
