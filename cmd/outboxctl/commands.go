@@ -221,8 +221,8 @@ func discardCmd(g *globals) *cobra.Command {
 		Long: `discard takes failed messages out of delivery for good: they are never
 requeued nor delivered, and the messages of their aggregates that waited
 behind them are delivered next, in order. Each moves to the table
-<table>_discarded, which keeps it whole for people to read. Only failed
-messages are taken. Name what to take with --id, --type or --failed-before
+<table>_discarded, which keeps it whole for people to read, and its id is
+logged on standard error. Only failed messages are taken. Name what to take with --id, --type or --failed-before
 (or --all), and look first with --dry-run, which prints the messages that
 would be discarded.`,
 		Example: `  outboxctl discard --db sqlite:./app.db --id 0b6f1c0e-6a1f-4c1e-9d0a-3f1b2c3d4e5f
