@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -186,6 +187,51 @@ func TestDiscardFiltersAndBounds(t *testing.T) {
 		}
 		if kept := discardedRows(t, b); len(kept) != 4 {
 			t.Fatalf("%d rows in the discarded table, want 4", len(kept))
+		}
+	})
+}
+
+func TestDiscardMovesMoreRowsThanOneStatementHolds(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		events := make([]outbox.Event, 1200)
+		for i := range events {
+			events[i] = outbox.Event{Type: "t", AggregateType: "agg", AggregateID: fmt.Sprint(i % 7), Payload: map[string]int{"i": i}}
+		}
+		mustNil(t, outbox.Publish(b.db, events...))
+		mustNil(t, b.db.Exec(`UPDATE outbox_records SET delivery_state = 'failed'`).Error)
+		d := newDispatcher(t, b.db, &recorder{}, outbox.WithLogger(slog.New(slog.DiscardHandler)))
+		if n, err := d.Discard(context.Background(), outbox.RequeueFilter{Limit: 1100}); n != 1100 || err != nil {
+			t.Fatalf("Discard = %d, %v; want 1100", n, err)
+		}
+		var left, kept int64
+		mustNil(t, b.db.Raw(`SELECT count(*) FROM outbox_records`).Scan(&left).Error)
+		mustNil(t, b.db.Raw(`SELECT count(*) FROM outbox_records_discarded`).Scan(&kept).Error)
+		if left != 100 || kept != 1100 {
+			t.Fatalf("%d rows left and %d discarded, want 100 and 1100", left, kept)
+		}
+	})
+}
+
+func TestDiscardWorksOnATableOfTheLongestName(t *testing.T) {
+	name := strings.Repeat("t", 43)
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil, outbox.WithTable(name))
+		publishN(t, b.db, "a", 2)
+		mustNil(t, b.db.Exec(`UPDATE `+name+` SET delivery_state = 'failed' WHERE aggregate_sequence = 1`).Error)
+		rec := &recorder{}
+		d := newDispatcher(t, b.db, rec)
+		if n, err := d.Discard(context.Background(), outbox.RequeueFilter{}); n != 1 || err != nil {
+			t.Fatalf("Discard = %d, %v; want 1", n, err)
+		}
+		dispatch(t, d)
+		if got := fmt.Sprint(rec.AcceptedIDs()); got != "[agg/a#2]" {
+			t.Fatalf("accepted %s, want the event after the discarded one", got)
+		}
+		var kept int64
+		mustNil(t, b.db.Raw(`SELECT count(*) FROM `+name+outbox.DiscardedTableSuffix).Scan(&kept).Error)
+		if kept != 1 {
+			t.Fatalf("%d rows in %s_discarded, want 1", kept, name)
 		}
 	})
 }

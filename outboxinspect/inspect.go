@@ -51,7 +51,9 @@ func (in *Inspector) Table() string { return in.t.Name }
 
 // ErrMessageNotFound is returned (wrapped) by [Inspector.Message] when no
 // row of the outbox table has the event id asked for: it was never
-// written, or Cleanup deleted it after its delivery.
+// written, Cleanup deleted it after its delivery, or a person discarded
+// it ([outbox.Dispatcher.Discard] moves it to the table
+// <table>_discarded).
 var ErrMessageNotFound = errors.New("outbox: message not found")
 
 // Limits of [Inspector.Messages].
