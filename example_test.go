@@ -2,12 +2,14 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
@@ -221,4 +223,28 @@ func ExampleDispatcher_Discard() {
 	// Output:
 	// discarded: 1 <nil>
 	// delivered invoice.update 2
+}
+
+func ExampleWithMaxPayloadBytes() {
+	db, done := exampleSQLite()
+	defer done()
+	if err := db.Use(outbox.Plugin(outbox.WithMaxPayloadBytes(64))); err != nil {
+		log.Fatal(err)
+	}
+	if err := outbox.AutoMigrate(db); err != nil {
+		log.Fatal(err)
+	}
+	if err := db.AutoMigrate(&Invoice{}); err != nil {
+		log.Fatal(err)
+	}
+
+	err := outbox.Publish(db, outbox.Event{
+		Type: "invoice.scanned", AggregateType: "invoice", AggregateID: "1",
+		Payload: map[string]string{"pdf": strings.Repeat("A", 100)},
+	})
+	fmt.Println(errors.Is(err, outbox.ErrInvalidEvent))
+	fmt.Println(err)
+	// Output:
+	// true
+	// outbox: invalid event "invoice.scanned": payload is 110 bytes encoded, more than the 64 allowed (WithMaxPayloadBytes)
 }
