@@ -81,6 +81,39 @@ const (
 	MaxIdempotencyKeyLength = 255
 )
 
+// DefaultMaxPayloadBytes is the longest encoded payload (its JSON text, in
+// bytes) an event may have unless [WithMaxPayloadBytes] says otherwise:
+// 1 MiB.
+const DefaultMaxPayloadBytes = 1 << 20
+
+// WithMaxPayloadBytes sets the longest encoded payload an event may have,
+// counted in bytes of its JSON text as stored (default
+// [DefaultMaxPayloadBytes]). A longer one fails the write with
+// [ErrInvalidEvent], naming its size and the limit, before anything is
+// written: the business write of a model that emits it fails and leaves
+// nothing behind, and [Publish] writes none of its events. It holds for
+// model emitters and Publish alike, the same on every engine, so that an
+// event too big for a broker fails where it is made rather than at
+// delivery. n must be greater than 0; otherwise db.Use fails with
+// [ErrInvalidOption].
+func WithMaxPayloadBytes(n int) Option {
+	return func(p *OutboxPlugin) error {
+		if n <= 0 {
+			return fmt.Errorf("%w: WithMaxPayloadBytes: %d is not greater than 0", ErrInvalidOption, n)
+		}
+		p.maxPayload = n
+		return nil
+	}
+}
+
+// payloadLimit is the longest encoded payload p writes.
+func (p *OutboxPlugin) payloadLimit() int {
+	if p.maxPayload == 0 {
+		return DefaultMaxPayloadBytes
+	}
+	return p.maxPayload
+}
+
 // shortLen is how many characters of a value an error message quotes.
 const shortLen = 64
 

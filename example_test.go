@@ -2,11 +2,14 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
@@ -186,4 +189,62 @@ func ExampleNewDispatcher() {
 	// invoice.create invoice/1 #1 attempt 1
 	// invoice.create invoice/2 #1 attempt 1
 	// delivered: 2 <nil>
+}
+
+func ExampleDispatcher_Discard() {
+	db, done := openExampleDB(&Invoice{})
+	defer done()
+	db.Create(&Invoice{Amount: 10})
+	db.Model(&Invoice{ID: 1}).Update("amount", 15)
+
+	// The consumer refuses invoice 1's first event for good, and so the
+	// update after it waits.
+	publisher := outbox.PublisherFunc(func(ctx context.Context, b outbox.Batch) error {
+		for _, m := range b.Messages {
+			if m.EventType == "invoice.create" {
+				return outbox.Permanent(fmt.Errorf("schema mismatch"))
+			}
+			fmt.Println("delivered", m.EventType, m.Sequence)
+		}
+		return nil
+	})
+	d, err := outbox.NewDispatcher(db, publisher, outbox.WithBatchSize(1), outbox.WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ctx := context.Background()
+	d.DispatchOnce(ctx)
+	d.DispatchOnce(ctx)
+
+	// A person decides the event will never be delivered.
+	n, err := d.Discard(ctx, outbox.RequeueFilter{EventTypes: []string{"invoice.create"}})
+	fmt.Println("discarded:", n, err)
+	d.DispatchOnce(ctx)
+	// Output:
+	// discarded: 1 <nil>
+	// delivered invoice.update 2
+}
+
+func ExampleWithMaxPayloadBytes() {
+	db, done := exampleSQLite()
+	defer done()
+	if err := db.Use(outbox.Plugin(outbox.WithMaxPayloadBytes(64))); err != nil {
+		log.Fatal(err)
+	}
+	if err := outbox.AutoMigrate(db); err != nil {
+		log.Fatal(err)
+	}
+	if err := db.AutoMigrate(&Invoice{}); err != nil {
+		log.Fatal(err)
+	}
+
+	err := outbox.Publish(db, outbox.Event{
+		Type: "invoice.scanned", AggregateType: "invoice", AggregateID: "1",
+		Payload: map[string]string{"pdf": strings.Repeat("A", 100)},
+	})
+	fmt.Println(errors.Is(err, outbox.ErrInvalidEvent))
+	fmt.Println(err)
+	// Output:
+	// true
+	// outbox: invalid event "invoice.scanned": payload is 110 bytes encoded, more than the 64 allowed (WithMaxPayloadBytes)
 }

@@ -343,7 +343,7 @@ func (p *OutboxPlugin) record(db *gorm.DB, events []Event, w *txWrites, guard bo
 	if err != nil {
 		return err
 	}
-	encoded, err := encodeAll(p.withContextHeaders(db.Statement.Context, events))
+	encoded, err := encodeAll(p.withContextHeaders(db.Statement.Context, events), p.payloadLimit())
 	if err != nil {
 		return err
 	}
@@ -355,15 +355,20 @@ func (p *OutboxPlugin) record(db *gorm.DB, events []Event, w *txWrites, guard bo
 	return w.write(db, func(notify bool) (bool, error) { return p.store(db, d, encoded, notify, guard) })
 }
 
-// encodeAll validates and encodes every event, so that a bad one writes
-// nothing.
-func encodeAll(events []Event) ([]dialect.Record, error) {
+// encodeAll validates and encodes every event, and refuses one whose
+// encoded payload is longer than maxPayload bytes, so that a bad one
+// writes nothing.
+func encodeAll(events []Event, maxPayload int) ([]dialect.Record, error) {
 	now := time.Now()
 	encoded := make([]dialect.Record, len(events))
 	for i, ev := range events {
 		var err error
 		if encoded[i], err = ev.encode(now); err != nil {
 			return nil, err
+		}
+		if n := len(encoded[i].Payload); n > maxPayload {
+			return nil, fmt.Errorf("%w %q: payload is %d bytes encoded, more than the %d allowed (WithMaxPayloadBytes)",
+				ErrInvalidEvent, short(ev.Type), n, maxPayload)
 		}
 	}
 	return encoded, nil

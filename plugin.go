@@ -57,6 +57,7 @@ type OutboxPlugin struct {
 	err    error // an invalid option, reported by Initialize
 
 	contextHeaders []contextHeadersFunc // WithContextHeaders
+	maxPayload     int                  // WithMaxPayloadBytes; 0: DefaultMaxPayloadBytes
 
 	mu        sync.RWMutex
 	emitters  map[reflect.Type]func(model any, op Op) ([]Event, error)

@@ -29,8 +29,9 @@ func WithMaxRevivals(n int) DispatcherOption {
 }
 
 // RequeueFilter selects the dead-lettered (failed) rows that
-// [Dispatcher.Requeue] moves. Each field that is set narrows the
-// selection; the zero value matches every failed row.
+// [Dispatcher.Requeue] moves, and [Dispatcher.Discard] takes. Each field
+// that is set narrows the selection; the zero value matches every failed
+// row.
 type RequeueFilter struct {
 	// EventIDs, when not empty, limits the requeue to these events.
 	EventIDs []string

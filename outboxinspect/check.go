@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dialect"
 )
 
@@ -89,9 +90,10 @@ func (v Violation) String() string {
 // the table is healthy. Run it after a chaos test, once the dispatchers
 // have drained what they could. The promises:
 //
-//   - Sequences: per aggregate, the remaining rows hold every sequence
-//     from the lowest of them up to the aggregate's last sequence (the
-//     sequence table), each once. Sequences below the lowest remaining
+//   - Sequences: per aggregate, the remaining rows, with those above
+//     the lowest of them that [outbox.Dispatcher.Discard] moved to the
+//     discarded table, hold every sequence from the lowest of them up to
+//     the aggregate's last sequence (the sequence table), each once. Sequences below the lowest remaining
 //     row are allowed to be missing: Cleanup deletes delivered rows,
 //     oldest delivery first. (Cleanup after a late settle's redelivery
 //     may delete a later sequence before an earlier one; Check then
@@ -138,7 +140,11 @@ func (in *Inspector) checkSequences(ctx context.Context, _ time.Time, _ CheckOpt
 	rows, err := in.db.Statement.ConnPool.QueryContext(ctx, in.d.Bind(`SELECT r.aggregate_type, r.aggregate_id,
 	min(r.aggregate_sequence), max(r.aggregate_sequence), count(*), count(DISTINCT r.aggregate_sequence),
 	max(s.last_sequence), count(s.last_sequence)
-FROM `+in.t.Records+` r LEFT JOIN `+in.t.Sequences+` s
+FROM (SELECT aggregate_type, aggregate_id, aggregate_sequence FROM `+in.t.Records+`
+	UNION ALL SELECT x.aggregate_type, x.aggregate_id, x.aggregate_sequence FROM `+in.discarded()+` x
+	WHERE x.aggregate_sequence > (SELECT min(m.aggregate_sequence) FROM `+in.t.Records+` m
+		WHERE m.aggregate_type = x.aggregate_type AND m.aggregate_id = x.aggregate_id)) r
+LEFT JOIN `+in.t.Sequences+` s
 	ON s.aggregate_type = r.aggregate_type AND s.aggregate_id = r.aggregate_id
 GROUP BY r.aggregate_type, r.aggregate_id
 HAVING count(*) <> max(r.aggregate_sequence) - min(r.aggregate_sequence) + 1
@@ -303,4 +309,9 @@ ORDER BY next_attempt_at, id LIMIT 1`), in.d.TimeArg(now), in.d.TimeArg(now)).Sc
 		return []Violation{v}, nil
 	}
 	return nil, nil
+}
+
+// discarded is the quoted name of the table of discarded events.
+func (in *Inspector) discarded() string {
+	return in.t.Quote(in.t.Name + outbox.DiscardedTableSuffix)
 }

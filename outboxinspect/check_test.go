@@ -77,6 +77,26 @@ func TestCheckFindsEachPlantedViolation(t *testing.T) {
 		{"cleaned-up sequences below the lowest row are allowed", func(t *testing.T, db *gorm.DB, e outboxtest.Engine) {
 			mustNil(t, db.Exec(`DELETE FROM outbox_records WHERE aggregate_sequence < 3`).Error)
 		}, "", ""},
+		{"a discarded event between rows is allowed", func(t *testing.T, db *gorm.DB, e outboxtest.Engine) {
+			mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_sequence = 2`).Error)
+			if n, err := newDispatcher(t, db, &recorder{}).Discard(context.Background(), outbox.RequeueFilter{}); n != 1 || err != nil {
+				t.Fatalf("Discard = %d, %v; want 1", n, err)
+			}
+		}, "", ""},
+		{"a discarded event below cleaned-up rows is allowed", func(t *testing.T, db *gorm.DB, e outboxtest.Engine) {
+			mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_sequence = 1`).Error)
+			if n, err := newDispatcher(t, db, &recorder{}).Discard(context.Background(), outbox.RequeueFilter{}); n != 1 || err != nil {
+				t.Fatalf("Discard = %d, %v; want 1", n, err)
+			}
+			mustNil(t, db.Exec(`DELETE FROM outbox_records WHERE aggregate_sequence = 2`).Error)
+		}, "", ""},
+		{"a discarded event deleted from its table leaves a gap", func(t *testing.T, db *gorm.DB, e outboxtest.Engine) {
+			mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'failed' WHERE aggregate_sequence = 2`).Error)
+			if n, err := newDispatcher(t, db, &recorder{}).Discard(context.Background(), outbox.RequeueFilter{}); n != 1 || err != nil {
+				t.Fatalf("Discard = %d, %v; want 1", n, err)
+			}
+			mustNil(t, db.Exec(`DELETE FROM outbox_records_discarded`).Error)
+		}, outboxinspect.ViolationSequenceGap, ""},
 		{"a delivered event after a pending one", func(t *testing.T, db *gorm.DB, e outboxtest.Engine) {
 			mustNil(t, db.Exec(`UPDATE outbox_records SET delivery_state = 'delivered', delivered_at = ? WHERE aggregate_sequence = 3`,
 				at(e, time.Now())).Error)

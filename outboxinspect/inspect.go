@@ -51,7 +51,9 @@ func (in *Inspector) Table() string { return in.t.Name }
 
 // ErrMessageNotFound is returned (wrapped) by [Inspector.Message] when no
 // row of the outbox table has the event id asked for: it was never
-// written, or Cleanup deleted it after its delivery.
+// written, Cleanup deleted it after its delivery, or a person discarded
+// it ([outbox.Dispatcher.Discard] moves it to the table
+// <table>_discarded).
 var ErrMessageNotFound = errors.New("outbox: message not found")
 
 // Limits of [Inspector.Messages].
@@ -178,7 +180,8 @@ func (in *Inspector) Message(ctx context.Context, eventID string) (MessageInfo, 
 
 // RequeueCandidates returns the failed rows that [outbox.Dispatcher.Requeue] with
 // f would move now, in the order it takes them (oldest failure first) and
-// with its limit: what a dry run shows.
+// with its limit: what a dry run shows. [outbox.Dispatcher.Discard] takes
+// the same rows for the same filter.
 func (in *Inspector) RequeueCandidates(ctx context.Context, f outbox.RequeueFilter) ([]MessageInfo, error) {
 	mf := MessageFilter{States: []string{outbox.StateFailed}, EventIDs: f.EventIDs, EventTypes: f.EventTypes}
 	where, args := mf.where(in)
@@ -195,6 +198,19 @@ func (in *Inspector) RequeueCandidates(ctx context.Context, f outbox.RequeueFilt
 		return nil, fmt.Errorf("outbox: requeue candidates: %w", err)
 	}
 	return msgs, nil
+}
+
+// PurgeCandidates counts the delivered rows that [outbox.Dispatcher.Cleanup]
+// with a retention of olderThan would delete now: those delivered longer
+// ago than olderThan. What a purge's dry run shows.
+func (in *Inspector) PurgeCandidates(ctx context.Context, olderThan time.Duration) (int64, error) {
+	var n int64
+	err := in.db.Statement.ConnPool.QueryRowContext(ctx, in.d.Bind(`SELECT count(*) FROM `+in.t.Records+`
+WHERE delivery_state = 'delivered' AND delivered_at < ?`), in.d.TimeArg(time.Now().Add(-olderThan))).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: purge candidates: %w", err)
+	}
+	return n, nil
 }
 
 // where returns f's conditions and their arguments.

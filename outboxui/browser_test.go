@@ -260,4 +260,35 @@ func TestDashboardInABrowser(t *testing.T) {
 		}
 		screenshot(t, ctx, "search")
 	})
+
+	t.Run("a dead letter is discarded after its confirmation, releasing its aggregate", func(t *testing.T) {
+		s.exec(t, `UPDATE outbox_records SET next_attempt_at = ? WHERE event_id = 'waits-1'`, s.ts(time.Now().Add(time.Hour)))
+		do(t, ctx, chromedp.Navigate(s.url("dead")), chromedp.WaitVisible(chromedp.ID("row-dead-1")),
+			chromedp.Click(chromedp.CSS("#row-dead-1 button.discard-one")), chromedp.WaitVisible(chromedp.ID("discard-confirm")))
+		screenshot(t, ctx, "discard-confirmation")
+		if got := s.state(t, "dead-1"); got != outbox.StateFailed {
+			t.Fatalf("dead-1 is %q before the confirmation, want failed", got)
+		}
+		if w := text(t, ctx, "#discard-warning"); !strings.Contains(w, "never be delivered") {
+			t.Fatalf("the confirmation says %q", w)
+		}
+		// Cancel leaves it; confirming discards it.
+		do(t, ctx, chromedp.Click(chromedp.ID("discard-cancel")), chromedp.WaitVisible(chromedp.ID("row-dead-1")))
+		if got := s.state(t, "dead-1"); got != outbox.StateFailed {
+			t.Fatalf("dead-1 is %q after the cancel, want failed", got)
+		}
+		do(t, ctx, chromedp.Click(chromedp.CSS("#row-dead-1 button.discard-one")), chromedp.WaitVisible(chromedp.ID("discard-confirm")),
+			chromedp.Click(chromedp.ID("discard-confirm")), chromedp.WaitVisible(chromedp.ID("notice")))
+		if n := text(t, ctx, "#notice"); !strings.Contains(n, "Discarded 1") {
+			t.Fatalf("notice %q", n)
+		}
+		outboxtest.WaitUntil(t, func() bool { return s.state(t, "dead-1") == "" }, "dead-1 to leave the outbox table")
+		var due int64
+		if err := s.db.Raw(`SELECT count(*) FROM outbox_records WHERE event_id = 'waits-1' AND next_attempt_at <= ?`, s.ts(time.Now())).Scan(&due).Error; err != nil {
+			t.Fatal(err)
+		}
+		if due != 1 {
+			t.Fatal("waits-1, held back behind dead-1, is not due after the discard")
+		}
+	})
 }

@@ -6,13 +6,15 @@
 // It shows what a person on call needs: the counts by state, how long the
 // oldest due message has waited and a chart of the last hour's deliveries
 // and failures (the overview refreshes itself every few seconds); the
-// dead letters, with a requeue button per row and for a selection; one
+// dead letters, with requeue and discard buttons per row and for a
+// selection (a discard shows the messages it will take and asks to
+// confirm first); one
 // message whole, with its aggregate's neighbours in sequence order and,
 // when it waits, what holds it back and why; and a search by event id or
 // aggregate. It reads through [outboxinspect] and
 // [outbox.Dispatcher.Stats], and
-// changes nothing but what [outbox.Dispatcher.Requeue] changes. It never
-// runs the dispatcher.
+// changes nothing but what [outbox.Dispatcher.Requeue] and
+// [outbox.Dispatcher.Discard] change. It never runs the dispatcher.
 //
 // # Authentication cannot be forgotten
 //
@@ -30,7 +32,7 @@
 // <script> shows as text. The stylesheet and the few lines of script (the
 // refresh) are embedded in the binary; a Content-Security-Policy tells
 // the browser to load nothing from another host and to run no inline
-// script. Requests that change state (requeue, login) are POSTs, and
+// script. Requests that change state (requeue, discard, login) are POSTs, and
 // cross-origin POSTs are refused ([net/http.CrossOriginProtection]: the
 // browser's Sec-Fetch-Site or Origin header must show the same origin).
 package outboxui

@@ -102,7 +102,7 @@ type ui struct {
 // at any path (with http.StripPrefix, as in the package example). Without
 // [WithAuth] or [WithToken], or with an invalid option, it refuses every
 // request with 401 and a body saying why. d is only read, and requeued
-// through; the handler never runs it.
+// and discarded through; the handler never runs it.
 func Handler(d *outbox.Dispatcher, opts ...Option) http.Handler {
 	cfg := config{refresh: DefaultRefresh}
 	for _, opt := range opts {
@@ -129,6 +129,7 @@ func Handler(d *outbox.Dispatcher, opts ...Option) http.Handler {
 	mux.HandleFunc("GET /{$}", u.overview)
 	mux.HandleFunc("GET /dead", u.dead)
 	mux.HandleFunc("POST /requeue", u.requeue)
+	mux.HandleFunc("POST /discard", u.discard)
 	mux.HandleFunc("GET /message", u.message)
 	mux.HandleFunc("GET /search", u.search)
 	mux.HandleFunc("GET /login", u.loginPage)

@@ -105,6 +105,49 @@ func TestACrossOriginPostIsRefused(t *testing.T) {
 	if code != http.StatusForbidden || s.state(t, "e1") != outbox.StateFailed {
 		t.Fatalf("cross-site requeue: %d, state %s", code, s.state(t, "e1"))
 	}
+	body = strings.NewReader(url.Values{"id": {"e1"}, "confirm": {"yes"}}.Encode())
+	code, _ = s.do(t, "POST", "discard", token, body, "Content-Type", "application/x-www-form-urlencoded", "Sec-Fetch-Site", "cross-site")
+	if code != http.StatusForbidden || s.state(t, "e1") != outbox.StateFailed {
+		t.Fatalf("cross-site discard: %d, state %s", code, s.state(t, "e1"))
+	}
+}
+
+func TestDiscardAsksToConfirmThenTakesTheDeadLettersOutOfDelivery(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		s := newSite(t, e)
+		for _, id := range []string{"d1", "d2", "p1"} {
+			s.publish(t, outbox.Event{ID: id, Type: "t", AggregateType: "a", AggregateID: id})
+		}
+		s.fail(t, "d1", "d2")
+		post := func(v url.Values) (int, string) {
+			return s.do(t, "POST", "discard", token, strings.NewReader(v.Encode()), "Content-Type", "application/x-www-form-urlencoded", "Sec-Fetch-Site", "same-origin")
+		}
+		// First the confirmation, of the dead letters only; nothing changes.
+		code, body := post(url.Values{"id": {"d1", "p1"}})
+		if code != http.StatusOK {
+			t.Fatalf("discard without confirm: %d", code)
+		}
+		mustContain(t, "the confirmation", body, `id="confirm-d1"`, `name="confirm" value="yes"`, "never be delivered", "outbox_records_discarded")
+		if strings.Contains(body, `id="confirm-p1"`) {
+			t.Fatalf("the confirmation lists p1, which is not a dead letter:\n%s", body)
+		}
+		if s.state(t, "d1") != outbox.StateFailed {
+			t.Fatal("asking for the confirmation discarded d1")
+		}
+		// Then the discard, of the dead letters only.
+		code, _ = post(url.Values{"id": {"d1", "p1"}, "confirm": {"yes"}})
+		if code != http.StatusSeeOther {
+			t.Fatalf("discard with confirm: %d", code)
+		}
+		if s.state(t, "d1") != "" || s.state(t, "d2") != outbox.StateFailed || s.state(t, "p1") != outbox.StatePending {
+			t.Fatalf("after discarding d1: d1 %q, d2 %q, p1 %q", s.state(t, "d1"), s.state(t, "d2"), s.state(t, "p1"))
+		}
+		_, body = s.do(t, "GET", "dead?discarded=1", token, nil)
+		mustContain(t, "the dead letters after the discard", body, "Discarded 1 message(s)", `id="row-d2"`)
+		if strings.Contains(body, `id="row-d1"`) {
+			t.Fatalf("d1 is still among the dead letters:\n%s", body)
+		}
+	})
 }
 
 func TestRequeueMovesTheDeadLettersAFormNames(t *testing.T) {

@@ -17,7 +17,7 @@ import (
 	"github.com/gorm-outbox/outbox/outboxinspect"
 )
 
-var pageNames = []string{"overview", "dead", "message", "search", "login"}
+var pageNames = []string{"overview", "dead", "discard", "message", "search", "login"}
 
 func parsePages() map[string]*template.Template {
 	funcs := template.FuncMap{
@@ -166,6 +166,9 @@ func (u *ui) dead(w http.ResponseWriter, r *http.Request) {
 	if n := r.URL.Query().Get("requeued"); n != "" {
 		notice = "Requeued " + n + " message(s): they are pending again."
 	}
+	if n := r.URL.Query().Get("discarded"); n != "" {
+		notice = "Discarded " + n + " message(s): they will never be delivered; the messages they held back follow."
+	}
 	u.render(w, r, "dead", pageData{Title: "Dead letters", Notice: notice, Data: deadData{Messages: msgs, Limit: deadLimit}})
 }
 
@@ -176,10 +179,7 @@ func (u *ui) requeue(w http.ResponseWriter, r *http.Request) {
 		u.fail(w, r, http.StatusBadRequest, err)
 		return
 	}
-	ids := r.PostForm["id"]
-	if one := r.PostForm.Get("one"); one != "" {
-		ids = []string{one}
-	}
+	ids := formIDs(r)
 	if len(ids) == 0 {
 		seeOther(w, "dead?requeued=0")
 		return
@@ -194,6 +194,50 @@ func (u *ui) requeue(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	seeOther(w, "dead?requeued="+strconv.Itoa(n))
+}
+
+// formIDs returns the event ids a dead letters' form names: the one of
+// the row's button ("one"), or the selected ones ("id").
+func formIDs(r *http.Request) []string {
+	if one := r.PostForm.Get("one"); one != "" {
+		return []string{one}
+	}
+	return r.PostForm["id"]
+}
+
+type discardData struct {
+	Messages []outboxinspect.MessageInfo
+}
+
+// discard takes the dead letters a form names out of delivery for good,
+// in two steps: without confirm=yes it shows them and asks to confirm
+// (nothing changes); with it, it discards them.
+func (u *ui) discard(w http.ResponseWriter, r *http.Request) {
+	if err := r.ParseForm(); err != nil {
+		u.fail(w, r, http.StatusBadRequest, err)
+		return
+	}
+	ids := formIDs(r)
+	if len(ids) == 0 {
+		seeOther(w, "dead?discarded=0")
+		return
+	}
+	if r.PostForm.Get("confirm") != "yes" {
+		msgs, err := u.in.Messages(r.Context(), outboxinspect.MessageFilter{States: []string{outbox.StateFailed}, EventIDs: ids,
+			Order: outboxinspect.OldestFirst, Limit: len(ids)})
+		if err != nil {
+			u.fail(w, r, http.StatusInternalServerError, err)
+			return
+		}
+		u.render(w, r, "discard", pageData{Title: "Discard dead letters", Data: discardData{Messages: msgs}})
+		return
+	}
+	n, err := u.d.Discard(r.Context(), outbox.RequeueFilter{EventIDs: ids, Limit: len(ids)})
+	if err != nil {
+		u.fail(w, r, http.StatusInternalServerError, err)
+		return
+	}
+	seeOther(w, "dead?discarded="+strconv.Itoa(n))
 }
 
 type messageData struct {

@@ -1,9 +1,12 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -36,7 +39,7 @@ func statsCmd(g *globals) *cobra.Command {
 type listFlags struct {
 	states, types                []string
 	aggType, aggID               string
-	olderThan, newerThan         time.Duration
+	olderThan, newerThan         ageFlag
 	limit                        int
 	oldestFirst, inSequenceOrder bool
 }
@@ -67,10 +70,10 @@ func listCmd(g *globals) *cobra.Command {
 			f := outboxinspect.MessageFilter{States: l.states, EventTypes: l.types, AggregateType: l.aggType, AggregateID: l.aggID, Limit: l.limit}
 			now := time.Now()
 			if l.olderThan > 0 {
-				f.CreatedBefore = now.Add(-l.olderThan)
+				f.CreatedBefore = now.Add(-time.Duration(l.olderThan))
 			}
 			if l.newerThan > 0 {
-				f.CreatedAfter = now.Add(-l.newerThan)
+				f.CreatedAfter = now.Add(-time.Duration(l.newerThan))
 			}
 			switch {
 			case l.oldestFirst:
@@ -95,8 +98,8 @@ func listCmd(g *globals) *cobra.Command {
 	fl.StringSliceVar(&l.types, "type", nil, "keep messages of these event types")
 	fl.StringVar(&l.aggType, "aggregate-type", "", "keep messages of this aggregate type")
 	fl.StringVar(&l.aggID, "aggregate-id", "", "keep messages of this aggregate id")
-	fl.DurationVar(&l.olderThan, "older-than", 0, "keep messages written longer ago than this, as in 30m or 24h")
-	fl.DurationVar(&l.newerThan, "newer-than", 0, "keep messages written within this much time")
+	fl.Var(&l.olderThan, "older-than", "keep messages written longer ago than this, as in 30m, 24h or 7d")
+	fl.Var(&l.newerThan, "newer-than", "keep messages written within this much time, as in 30m, 24h or 7d")
 	fl.IntVar(&l.limit, "limit", outboxinspect.DefaultMessageLimit, "print at most this many messages")
 	fl.BoolVar(&l.oldestFirst, "oldest", false, "oldest first instead of newest first")
 	fl.BoolVar(&l.inSequenceOrder, "sequence-order", false, "by aggregate and sequence, the order of delivery")
@@ -124,13 +127,73 @@ func showCmd(g *globals) *cobra.Command {
 	}
 }
 
+// selection is the flags that name dead letters, shared by requeue and
+// discard.
+type selection struct {
+	ids, types   []string
+	failedBefore string
+	limit        int
+	all, dryRun  bool
+}
+
+func (sel *selection) flags(cmd *cobra.Command, verb string) {
+	fl := cmd.Flags()
+	fl.StringSliceVar(&sel.ids, "id", nil, verb+" these event ids; repeat or separate by commas")
+	fl.StringSliceVar(&sel.types, "type", nil, verb+" the failed messages of these event types")
+	fl.StringVar(&sel.failedBefore, "failed-before", "", verb+" messages that failed before this time (RFC 3339) or this long ago (as in 2h or 7d)")
+	fl.IntVar(&sel.limit, "limit", 0, "take at most this many, oldest failure first (default: the dispatcher's sweep limit, 1000)")
+	fl.BoolVar(&sel.all, "all", false, verb+" every failed message (up to --limit)")
+	fl.BoolVar(&sel.dryRun, "dry-run", false, "print the messages it would take, and change nothing")
+}
+
+// filter checks the selection of command name and returns its filter:
+// one of --id, --type, --failed-before or --all is required.
+func (sel *selection) filter(name string) (outbox.RequeueFilter, error) {
+	f := outbox.RequeueFilter{EventIDs: sel.ids, EventTypes: sel.types, Limit: sel.limit}
+	if sel.failedBefore != "" {
+		t, err := parseBefore(sel.failedBefore, time.Now())
+		if err != nil {
+			return f, fmt.Errorf("%s: --failed-before: %w", name, err)
+		}
+		f.FailedBefore = t
+	}
+	if !sel.all && len(sel.ids) == 0 && len(sel.types) == 0 && f.FailedBefore.IsZero() {
+		return f, fmt.Errorf("%s: name what to take with --id, --type or --failed-before, or pass --all", name)
+	}
+	if sel.limit < 0 {
+		return f, fmt.Errorf("%s: --limit %d is negative", name, sel.limit)
+	}
+	return f, nil
+}
+
+// run opens a dispatcher with opts and prints what the selection takes
+// (dry run) or takes it with act, printing how many under verb.
+func (sel *selection) run(cmd *cobra.Command, g *globals, name, verb string, act func(*outbox.Dispatcher, context.Context, outbox.RequeueFilter) (int, error), opts ...outbox.DispatcherOption) error {
+	f, err := sel.filter(name)
+	if err != nil {
+		return err
+	}
+	d, done, err := g.dispatcher(cmd.Context(), opts...)
+	if err != nil {
+		return err
+	}
+	defer done()
+	if sel.dryRun {
+		msgs, err := outboxinspect.New(d).RequeueCandidates(cmd.Context(), f)
+		if err != nil {
+			return err
+		}
+		return g.printMessages(msgs, time.Now())
+	}
+	n, err := act(d, cmd.Context(), f)
+	if err != nil {
+		return err
+	}
+	return g.printCount(verb, n)
+}
+
 func requeueCmd(g *globals) *cobra.Command {
-	var (
-		ids, types   []string
-		failedBefore string
-		limit        int
-		all, dryRun  bool
-	)
+	var sel selection
 	cmd := &cobra.Command{
 		Use:   "requeue",
 		Short: "Dead-lettered (failed) messages back to pending, by id, by type, or failed before a time",
@@ -143,64 +206,44 @@ with --dry-run, which prints the messages that would move.`,
   outboxctl requeue --db postgres://localhost/app --failed-before 2024-05-01T12:00:00Z`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			f := outbox.RequeueFilter{EventIDs: ids, EventTypes: types, Limit: limit}
-			if failedBefore != "" {
-				t, err := parseBefore(failedBefore, time.Now())
-				if err != nil {
-					return fmt.Errorf("requeue: --failed-before: %w", err)
-				}
-				f.FailedBefore = t
-			}
-			if !all && len(ids) == 0 && len(types) == 0 && f.FailedBefore.IsZero() {
-				return errors.New("requeue: name what to move with --id, --type or --failed-before, or pass --all")
-			}
-			if limit < 0 {
-				return fmt.Errorf("requeue: --limit %d is negative", limit)
-			}
-			d, done, err := g.dispatcher(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer done()
-			if dryRun {
-				msgs, err := outboxinspect.New(d).RequeueCandidates(cmd.Context(), f)
-				if err != nil {
-					return err
-				}
-				return g.printMessages(msgs, time.Now())
-			}
-			n, err := d.Requeue(cmd.Context(), f)
-			if err != nil {
-				return err
-			}
-			return g.printCount("requeued", n)
+			return sel.run(cmd, g, "requeue", "requeued", (*outbox.Dispatcher).Requeue)
 		},
 	}
-	fl := cmd.Flags()
-	fl.StringSliceVar(&ids, "id", nil, "requeue these event ids; repeat or separate by commas")
-	fl.StringSliceVar(&types, "type", nil, "requeue the failed messages of these event types")
-	fl.StringVar(&failedBefore, "failed-before", "", "requeue messages that failed before this time (RFC 3339) or this long ago (as in 2h)")
-	fl.IntVar(&limit, "limit", 0, "move at most this many, oldest failure first (default: the dispatcher's sweep limit, 1000)")
-	fl.BoolVar(&all, "all", false, "requeue every failed message (up to --limit)")
-	fl.BoolVar(&dryRun, "dry-run", false, "print what would move, and move nothing")
+	sel.flags(cmd, "requeue")
 	return cmd
 }
 
-// parseBefore reads a time as RFC 3339, or as a duration before now.
-func parseBefore(s string, now time.Time) (time.Time, error) {
-	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
-		return t, nil
+func discardCmd(g *globals) *cobra.Command {
+	var sel selection
+	cmd := &cobra.Command{
+		Use:   "discard",
+		Short: "Take dead-lettered (failed) messages out of delivery for good, by id, by type, or failed before a time",
+		Long: `discard takes failed messages out of delivery for good: they are never
+requeued nor delivered, and the messages of their aggregates that waited
+behind them are delivered next, in order. Each moves to the table
+<table>_discarded, which keeps it whole for people to read, and its id is
+logged on standard error. Only failed messages are taken. Name what to take with --id, --type or --failed-before
+(or --all), and look first with --dry-run, which prints the messages that
+would be discarded.`,
+		Example: `  outboxctl discard --db sqlite:./app.db --id 0b6f1c0e-6a1f-4c1e-9d0a-3f1b2c3d4e5f
+  outboxctl discard --db postgres://localhost/app --type order.legacy --dry-run
+  outboxctl discard --db postgres://localhost/app --type order.legacy --failed-before 7d`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			// Each discarded event's id is logged (Info) on stderr.
+			log := slog.New(slog.NewTextHandler(g.stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+			return sel.run(cmd, g, "discard", "discarded", (*outbox.Dispatcher).Discard, outbox.WithLogger(log))
+		},
 	}
-	if d, err := time.ParseDuration(s); err == nil && d > 0 {
-		return now.Add(-d), nil
-	}
-	return time.Time{}, fmt.Errorf("%q is neither an RFC 3339 time nor a positive duration", s)
+	sel.flags(cmd, "discard")
+	return cmd
 }
 
 func purgeCmd(g *globals) *cobra.Command {
 	var (
-		olderThan time.Duration
+		olderThan ageFlag
 		batch     int
+		dryRun    bool
 	)
 	cmd := &cobra.Command{
 		Use:   "purge",
@@ -208,21 +251,31 @@ func purgeCmd(g *globals) *cobra.Command {
 		Long: `purge deletes delivered messages whose delivery is older than --older-than,
 in statements of at most --batch rows, until none is left. It never touches
 a message that is not delivered, nor the sequence table. A deleted
-message's idempotency key can be written again.`,
-		Example: `  outboxctl purge --db postgres://localhost/app --older-than 168h --batch 5000`,
-		Args:    cobra.NoArgs,
+message's idempotency key can be written again. --dry-run counts what it
+would delete, and deletes nothing.`,
+		Example: `  outboxctl purge --db postgres://localhost/app --older-than 7d --batch 5000
+  outboxctl purge --db sqlite:./app.db --older-than 168h --dry-run`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if olderThan <= 0 {
-				return errors.New("purge: --older-than must be a positive duration, as in 168h")
+				return errors.New("purge: --older-than must be a positive age, as in 168h or 7d")
 			}
 			if batch < 1 {
 				return fmt.Errorf("purge: --batch %d is less than 1", batch)
 			}
-			d, done, err := g.dispatcher(cmd.Context(), outbox.WithRetention(olderThan), outbox.WithSweepLimit(batch))
+			age := time.Duration(olderThan)
+			d, done, err := g.dispatcher(cmd.Context(), outbox.WithRetention(age), outbox.WithSweepLimit(batch))
 			if err != nil {
 				return err
 			}
 			defer done()
+			if dryRun {
+				n, err := outboxinspect.New(d).PurgeCandidates(cmd.Context(), age)
+				if err != nil {
+					return err
+				}
+				return g.printCount("would purge", int(n))
+			}
 			n, err := d.Cleanup(cmd.Context())
 			if err != nil {
 				return err
@@ -230,8 +283,9 @@ message's idempotency key can be written again.`,
 			return g.printCount("purged", n)
 		},
 	}
-	cmd.Flags().DurationVar(&olderThan, "older-than", 0, "delete delivered messages delivered longer ago than this (required)")
+	cmd.Flags().Var(&olderThan, "older-than", "delete delivered messages delivered longer ago than this, as in 168h or 7d (required)")
 	cmd.Flags().IntVar(&batch, "batch", outbox.DefaultSweepLimit, "delete at most this many rows per statement")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print how many messages it would delete, and delete nothing")
 	return cmd
 }
 
@@ -320,10 +374,11 @@ once the dispatchers have drained what they could.`,
 	return cmd
 }
 
-// printCount reports how many messages a command moved.
+// printCount reports how many messages a command moved: "verb N
+// message(s)", or in JSON {"verb": N} with the verb in snake_case.
 func (g *globals) printCount(verb string, n int) error {
 	if g.output == "json" {
-		return json.NewEncoder(g.stdout).Encode(map[string]int{verb: n})
+		return json.NewEncoder(g.stdout).Encode(map[string]int{strings.ReplaceAll(verb, " ", "_"): n})
 	}
 	_, err := fmt.Fprintf(g.stdout, "%s %d message(s)\n", verb, n)
 	return err

@@ -7,11 +7,13 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/url"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	mysqldriver "github.com/go-sql-driver/mysql"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
@@ -171,17 +173,29 @@ func eventIDs(t *testing.T, out string) []string {
 func TestStatsCountsByStateAndNamesTheLastFailure(t *testing.T) {
 	eachEngine(t, func(t *testing.T, f fixture) {
 		var s struct {
-			Pending, Delivered, Failed int64
-			OldestDueAgeSeconds        *float64 `json:"oldest_due_age_seconds"`
-			LastFailure                string   `json:"last_failure"`
+			Pending             int64    `json:"pending"`
+			Delivered           int64    `json:"delivered"`
+			Failed              int64    `json:"failed"`
+			OldestDueAgeSeconds *float64 `json:"oldest_due_age_seconds"`
+			LastFailure         string   `json:"last_failure"`
 		}
-		if err := json.Unmarshal([]byte(mustCtl(t, "stats", "--db", f.url, "-o", "json")), &s); err != nil {
+		out := mustCtl(t, "stats", "--db", f.url, "-o", "json")
+		if err := json.Unmarshal([]byte(out), &s); err != nil {
 			t.Fatal(err)
+		}
+		var names map[string]any
+		if err := json.Unmarshal([]byte(out), &names); err != nil {
+			t.Fatal(err)
+		}
+		for name := range names {
+			if name != strings.ToLower(name) {
+				t.Fatalf("stats -o json names %q; want every name in snake_case:\n%s", name, out)
+			}
 		}
 		if s.Pending != 1 || s.Delivered != 1 || s.Failed != 2 || s.LastFailure != "broker said no" || s.OldestDueAgeSeconds == nil {
 			t.Fatalf("stats %+v", s)
 		}
-		out := mustCtl(t, "stats", "--db", f.url)
+		out = mustCtl(t, "stats", "--db", f.url)
 		for _, want := range []string{"failed      2", "pending     1", "last failure  broker said no"} {
 			if !strings.Contains(out, want) {
 				t.Fatalf("stats table lacks %q:\n%s", want, out)
@@ -266,6 +280,168 @@ func TestRequeueMovesFailedMessagesByIDTypeAndTime(t *testing.T) {
 			t.Fatalf("requeue without a selection: exit %d, %q", code, errOut)
 		}
 	})
+}
+
+// discarded returns the event ids of the discarded table, in id order.
+func (f fixture) discarded(t *testing.T) string {
+	t.Helper()
+	var ids []string
+	if err := f.db.Raw(`SELECT event_id FROM outbox_records_discarded ORDER BY id`).Scan(&ids).Error; err != nil {
+		t.Fatal(err)
+	}
+	return strings.Join(ids, " ")
+}
+
+func TestDiscardDryRunShowsWhatWouldGoAndChangesNothing(t *testing.T) {
+	eachEngine(t, func(t *testing.T, f fixture) {
+		if got := strings.Join(eventIDs(t, mustCtl(t, "discard", "--db", f.url, "--all", "--dry-run", "-o", "json")), " "); got != "u1 o2" {
+			t.Fatalf("dry run would discard %q, want the failed ones, oldest failure first", got)
+		}
+		if got := strings.Join(eventIDs(t, mustCtl(t, "discard", "--db", f.url, "--failed-before", "30m", "--dry-run", "-o", "json")), " "); got != "u1" {
+			t.Fatalf("dry run of --failed-before 30m would discard %q", got)
+		}
+		if f.state(t, "u1") != outbox.StateFailed || f.state(t, "o2") != outbox.StateFailed || f.discarded(t) != "" {
+			t.Fatal("a dry run discarded messages")
+		}
+	})
+}
+
+func TestDiscardTakesFailedMessagesOutOfDeliveryForGood(t *testing.T) {
+	eachEngine(t, func(t *testing.T, f fixture) {
+		if _, errOut, code := ctl(t, "discard", "--db", f.url); code != 1 || !strings.Contains(errOut, "--all") {
+			t.Fatalf("discard without a selection: exit %d, %q", code, errOut)
+		}
+		if out, errOut, code := ctl(t, "discard", "--db", f.url, "--type", "user.created"); code != 0 || out != "discarded 1 message(s)\n" || !strings.Contains(errOut, "event_id=u1") {
+			t.Fatalf("discard --type: exit %d, printed %q, logged %q; want the count, and u1 logged", code, out, errOut)
+		}
+		if f.state(t, "u1") != "" || f.state(t, "o2") != outbox.StateFailed || f.discarded(t) != "u1" {
+			t.Fatalf("discard --type took the wrong messages: u1 %q, o2 %q, discarded %q", f.state(t, "u1"), f.state(t, "o2"), f.discarded(t))
+		}
+		// Only failed messages: p1 is pending and stays.
+		if out := mustCtl(t, "discard", "--db", f.url, "--id", "o2,p1", "-o", "json"); strings.TrimSpace(out) != `{"discarded":1}` {
+			t.Fatalf("discard --id printed %q", out)
+		}
+		if f.state(t, "p1") != outbox.StatePending || f.discarded(t) != "o2 u1" {
+			t.Fatalf("after discard --id: p1 %q, discarded %q", f.state(t, "p1"), f.discarded(t))
+		}
+		if out := mustCtl(t, "requeue", "--db", f.url, "--all"); out != "requeued 0 message(s)\n" {
+			t.Fatalf("requeue after discard printed %q", out)
+		}
+	})
+}
+
+func TestPurgeDryRunCountsAndDeletesNothing(t *testing.T) {
+	eachEngine(t, func(t *testing.T, f fixture) {
+		if out := mustCtl(t, "purge", "--db", f.url, "--older-than", "1h", "--dry-run"); out != "would purge 1 message(s)\n" {
+			t.Fatalf("purge --dry-run printed %q", out)
+		}
+		if out := mustCtl(t, "purge", "--db", f.url, "--older-than", "1h", "--dry-run", "-o", "json"); strings.TrimSpace(out) != `{"would_purge":1}` {
+			t.Fatalf("purge --dry-run -o json printed %q", out)
+		}
+		if f.state(t, "o1") != outbox.StateDelivered {
+			t.Fatal("a dry run purged o1")
+		}
+	})
+}
+
+func TestAgesTakeDays(t *testing.T) {
+	eachEngine(t, func(t *testing.T, f fixture) {
+		f.exec(t, `UPDATE outbox_records SET created_at = ?, delivered_at = ? WHERE event_id = 'o1'`,
+			f.ts(time.Now().Add(-50*time.Hour)), f.ts(time.Now().Add(-49*time.Hour)))
+		if got := strings.Join(eventIDs(t, mustCtl(t, "list", "--db", f.url, "--older-than", "2d", "-o", "json")), " "); got != "o1" {
+			t.Fatalf("list --older-than 2d: %q", got)
+		}
+		if got := strings.Join(eventIDs(t, mustCtl(t, "list", "--db", f.url, "--older-than", "2d3h", "-o", "json")), " "); got != "" {
+			t.Fatalf("list --older-than 2d3h: %q", got)
+		}
+		if out := mustCtl(t, "purge", "--db", f.url, "--older-than", "2d", "--dry-run"); out != "would purge 1 message(s)\n" {
+			t.Fatalf("purge --older-than 2d --dry-run printed %q", out)
+		}
+		if out := mustCtl(t, "purge", "--db", f.url, "--older-than", "3d"); out != "purged 0 message(s)\n" {
+			t.Fatalf("purge --older-than 3d printed %q", out)
+		}
+		if got := strings.Join(eventIDs(t, mustCtl(t, "requeue", "--db", f.url, "--failed-before", "1d", "--dry-run", "-o", "json")), " "); got != "" {
+			t.Fatalf("requeue --failed-before 1d would move %q", got)
+		}
+	})
+}
+
+func TestParseAge(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want time.Duration
+		ok   bool
+	}{
+		{"90m", 90 * time.Minute, true},
+		{"36h", 36 * time.Hour, true},
+		{"1d", 24 * time.Hour, true},
+		{"7d", 7 * 24 * time.Hour, true},
+		{"1d12h", 36 * time.Hour, true},
+		{"0d", 0, false},
+		{"-1h", 0, false},
+		{"d", 0, false},
+		{"1w", 0, false},
+		{"1d 2h", 0, false},
+	} {
+		got, err := parseAge(tc.in)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("parseAge(%q) = %v, %v; want %v (ok %v)", tc.in, got, err, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestDatabaseURLForms(t *testing.T) {
+	t.Run("PostgreSQL key=value DSN", func(t *testing.T) {
+		t.Parallel()
+		_, info := outboxtest.Open(t, outboxtest.Postgres, nil)
+		dsn := info.DSN
+		if strings.Contains(dsn, "://") {
+			t.Skip("OUTBOX_POSTGRES_DSN is a URL; the key=value form is tested with the default DSN")
+		}
+		mustCtl(t, "migrate", "--db", dsn)
+		if out := mustCtl(t, "stats", "--db", dsn); !strings.Contains(out, "pending     0") {
+			t.Fatalf("stats through %q:\n%s", dsn, out)
+		}
+	})
+	t.Run("MySQL URL", func(t *testing.T) {
+		t.Parallel()
+		_, info := outboxtest.Open(t, outboxtest.MySQL, nil)
+		conf, err := mysqldriver.ParseDSN(info.DSN)
+		if err != nil {
+			t.Fatal(err)
+		}
+		u := url.URL{Scheme: "mysql", Host: conf.Addr, Path: "/" + conf.DBName}
+		if conf.Passwd != "" {
+			u.User = url.UserPassword(conf.User, conf.Passwd)
+		} else {
+			u.User = url.User(conf.User)
+		}
+		mustCtl(t, "migrate", "--db", u.String())
+		if out := mustCtl(t, "stats", "--db", u.String()); !strings.Contains(out, "pending     0") {
+			t.Fatalf("stats through %s:\n%s", u.String(), out)
+		}
+	})
+	for _, tc := range []struct{ rest, want string }{
+		{"root@tcp(127.0.0.1:3306)/app?parseTime=true", "root@tcp(127.0.0.1:3306)/app?parseTime=true"},
+		{"user:pass@db.example:3307/app", "user:pass@tcp(db.example:3307)/app"},
+		{"user:p%40ss@db.example/app?tls=true", "user:p@ss@tcp(db.example:3306)/app?tls=true"},
+		{"db.example/app", "tcp(db.example:3306)/app"},
+	} {
+		if got, err := mysqlDSN(tc.rest); err != nil || got != tc.want {
+			t.Errorf("mysqlDSN(%q) = %q, %v; want %q", tc.rest, got, err, tc.want)
+		}
+	}
+	for s, want := range map[string]bool{
+		"host=localhost user=gorm password=gorm dbname=gorm port=9920 sslmode=disable": true,
+		"dbname=app":            true,
+		"sqlite:./a=b.db":       false,
+		"color=blue":            false,
+		"postgres://x/y?host=z": false,
+	} {
+		if got := keyValueDSN(s); got != want {
+			t.Errorf("keyValueDSN(%q) = %v, want %v", s, got, want)
+		}
+	}
 }
 
 func TestPurgeDeletesOnlyDeliveredMessagesOlderThanTheAge(t *testing.T) {

@@ -53,6 +53,19 @@ func (g *globals) json(v any) error {
 	return enc.Encode(v)
 }
 
+// statsJSON is stats -o json: every name in snake_case, as in the
+// messages' JSON.
+type statsJSON struct {
+	Pending             int64      `json:"pending"`
+	Delivering          int64      `json:"delivering"`
+	Delivered           int64      `json:"delivered"`
+	Retry               int64      `json:"retry"`
+	Failed              int64      `json:"failed"`
+	OldestDue           *time.Time `json:"oldest_due,omitempty"`
+	OldestDueAgeSeconds *float64   `json:"oldest_due_age_seconds,omitempty"`
+	LastFailure         string     `json:"last_failure,omitempty"`
+}
+
 func (g *globals) printStats(s outbox.Stats, now time.Time) error {
 	if g.output == "json" {
 		var dueAge *float64
@@ -60,12 +73,7 @@ func (g *globals) printStats(s outbox.Stats, now time.Time) error {
 			a := now.Sub(s.OldestDue).Seconds()
 			dueAge = &a
 		}
-		return g.json(struct {
-			Pending, Delivering, Delivered, Retry, Failed int64
-			OldestDue                                     *time.Time `json:"oldest_due,omitempty"`
-			OldestDueAgeSeconds                           *float64   `json:"oldest_due_age_seconds,omitempty"`
-			LastFailure                                   string     `json:"last_failure,omitempty"`
-		}{s.Pending, s.Delivering, s.Delivered, s.Retry, s.Failed, timePtr(s.OldestDue), dueAge, s.LastFailure})
+		return g.json(statsJSON{s.Pending, s.Delivering, s.Delivered, s.Retry, s.Failed, timePtr(s.OldestDue), dueAge, s.LastFailure})
 	}
 	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "STATE\tCOUNT")

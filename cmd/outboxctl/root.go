@@ -49,10 +49,10 @@ the outbox's promises on the live table.`,
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	pf := root.PersistentFlags()
-	pf.StringVar(&g.db, "db", os.Getenv("OUTBOX_DB"), "database URL: sqlite:PATH, sqlite:file:..., postgres://..., mysql://user@tcp(host:3306)/db (default $OUTBOX_DB)")
+	pf.StringVar(&g.db, "db", os.Getenv("OUTBOX_DB"), "database: sqlite:PATH, sqlite:file:..., postgres://..., 'host=... user=... dbname=...', mysql://user:pass@host:3306/db or mysql://user@tcp(host:3306)/db (default $OUTBOX_DB)")
 	pf.StringVar(&g.table, "table", outbox.DefaultTable, "name of the outbox table")
 	pf.StringVarP(&g.output, "output", "o", "table", "how rows are printed: table or json")
-	root.AddCommand(statsCmd(g), listCmd(g), showCmd(g), requeueCmd(g), purgeCmd(g), migrateCmd(g), checkCmd(g), serveCmd(g))
+	root.AddCommand(statsCmd(g), listCmd(g), showCmd(g), requeueCmd(g), discardCmd(g), purgeCmd(g), migrateCmd(g), checkCmd(g), serveCmd(g))
 	return root
 }
 
@@ -60,19 +60,23 @@ the outbox's promises on the live table.`,
 func dialector(url string) (gorm.Dialector, error) {
 	switch {
 	case url == "":
-		return nil, errors.New("--db is required (or set OUTBOX_DB): sqlite:./app.db or postgres://user@host/db")
+		return nil, errors.New("--db is required (or set OUTBOX_DB): sqlite:./app.db, postgres://user@host/db or mysql://user@host/db")
 	case strings.HasPrefix(url, "sqlite:"):
 		path := strings.TrimPrefix(strings.TrimPrefix(url, "sqlite:"), "//")
 		if path == "" {
 			return nil, errors.New("--db: sqlite: needs a file, as in sqlite:./app.db")
 		}
 		return sqlite.Open(path), nil
-	case strings.HasPrefix(url, "postgres://"), strings.HasPrefix(url, "postgresql://"):
+	case strings.HasPrefix(url, "postgres://"), strings.HasPrefix(url, "postgresql://"), keyValueDSN(url):
 		return postgres.Open(url), nil
 	case strings.HasPrefix(url, "mysql://"), strings.HasPrefix(url, "mariadb://"):
 		dsn := url[strings.Index(url, "://")+3:]
 		if dsn == "" {
-			return nil, errors.New("--db: mysql:// needs a DSN, as in mysql://root@tcp(127.0.0.1:3306)/app")
+			return nil, errors.New("--db: mysql:// needs a DSN, as in mysql://user:pass@127.0.0.1:3306/app")
+		}
+		dsn, err := mysqlDSN(dsn)
+		if err != nil {
+			return nil, err
 		}
 		// The outbox reads its DATETIME columns as times.
 		if !strings.Contains(dsn, "parseTime=") {
@@ -84,7 +88,7 @@ func dialector(url string) (gorm.Dialector, error) {
 		}
 		return mysql.Open(dsn), nil
 	}
-	return nil, fmt.Errorf("--db: %q is not a database URL outboxctl knows: use sqlite:PATH, postgres://... or mysql://...", url)
+	return nil, fmt.Errorf("--db: %q is not a database URL outboxctl knows: use sqlite:PATH, postgres://..., host=... dbname=... or mysql://...", url)
 }
 
 // sqliteFile returns the file a sqlite: URL names, or "" for a file: URI
