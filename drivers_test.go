@@ -121,3 +121,42 @@ func TestSingleEngineProgramsBuildWithoutCgo(t *testing.T) {
 		})
 	}
 }
+
+// nestedModuleTest runs go vet and go test on every package of the module
+// in dir, with env added to this process's environment, and fails t with
+// their output if either fails.
+func nestedModuleTest(t *testing.T, dir string, env []string, testFlags ...string) {
+	t.Helper()
+	goCmd := goTool(t)
+	for _, args := range [][]string{{"vet", "./..."}, append(append([]string{"test"}, testFlags...), "./...")} {
+		cmd := exec.Command(goCmd, args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), env...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("in %s, go %s: %v\n%s", dir, strings.Join(args, " "), err, out)
+		}
+		t.Logf("in %s, go %s:\n%s", dir, strings.Join(args, " "), out)
+	}
+}
+
+// TestPureGoSQLiteModule runs the tests of compat/puresqlite, a module of
+// its own: the outbox on SQLite through the pure-Go
+// github.com/glebarez/sqlite, built with CGO_ENABLED=0 (write, delivery,
+// rollback, idempotency key, a value SQLite refuses). Its test binary
+// links no cgo SQLite driver.
+func TestPureGoSQLiteModule(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join("compat", "puresqlite")
+	cmd := exec.Command(goTool(t), "list", "-deps", "-test", "./...")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list -deps -test in %s: %v\n%s", dir, err, stderrOf(err))
+	}
+	if found := linkedDrivers(strings.Fields(string(out)), "github.com/glebarez/", "modernc.org/sqlite"); len(found) > 0 {
+		t.Errorf("the pure-Go SQLite tests link other drivers: %v", found)
+	}
+	nestedModuleTest(t, dir, []string{"CGO_ENABLED=0"})
+}
