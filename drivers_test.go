@@ -160,3 +160,16 @@ func TestPureGoSQLiteModule(t *testing.T) {
 	}
 	nestedModuleTest(t, dir, []string{"CGO_ENABLED=0"})
 }
+
+// TestMigrationToolsModule runs the tests of compat/migrationtools, a
+// module of its own: outbox.Migrations applied with golang-migrate and
+// goose on every engine, and AutoMigrate and the tools agreeing on what
+// applied.
+func TestMigrationToolsModule(t *testing.T) {
+	t.Parallel()
+	var flags []string
+	if raceEnabled {
+		flags = append(flags, "-race")
+	}
+	nestedModuleTest(t, filepath.Join("compat", "migrationtools"), nil, flags...)
+}

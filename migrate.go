@@ -10,7 +10,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"time"
 
 	"gorm.io/gorm"
 
@@ -18,12 +17,36 @@ import (
 )
 
 // Migrations holds the schema as ordered SQL files per engine, the same
-// files AutoMigrate applies: migrations/postgres/0001_init.sql,
-// migrations/sqlite/0001_init.sql, ... Teams that run their own migration
-// tool (golang-migrate, goose, Atlas) apply them with it, in name order;
-// the files name the default table, outbox_records. Each file is a list of
-// statements, each ending with a semicolon at the end of a line.
+// files AutoMigrate applies: migrations/postgres/0001_init.up.sql,
+// migrations/mysql/..., migrations/sqlite/... Each file is one version, named
+// as golang-migrate and goose both read it (version, name, ".up.sql"), and
+// begins with goose's "-- +goose Up"; its statements each end with a
+// semicolon at the end of a line. The first file creates the version table
+// outbox_records_migrations, and every file ends by recording its version
+// there, so that AutoMigrate takes a schema that a tool applied as current.
+// The files name the default table, outbox_records: a tool cannot apply
+// them for another [WithTable] name.
 //
+// With golang-migrate, use its iofs source on the engine's directory, with
+// a version table of its own (x-migrations-table) if the database has
+// golang-migrate migrations of its own:
+//
+//	src, _ := iofs.New(outbox.Migrations, "migrations/postgres")
+//	m, _ := migrate.NewWithSourceInstance("iofs", src,
+//		"pgx5://.../db?x-migrations-table=outbox_schema_migrations")
+//	err := m.Up()
+//
+// (on MySQL, "mysql://...?multiStatements=true"). With goose, a provider on
+// the same directory, with a version table of its own likewise:
+//
+//	dir, _ := fs.Sub(outbox.Migrations, "migrations/postgres")
+//	p, _ := goose.NewProvider(goose.DialectPostgres, sqlDB, dir,
+//		goose.WithStore(...)) // or goose.WithTableName, see docs/design.md
+//	_, err := p.Up(ctx)
+//
+// A tool's own version table knows nothing of what AutoMigrate applied: to
+// hand a database that AutoMigrate migrated over to a tool, tell the tool
+// it is at the newest version first (docs/design.md, "Migrations").
 //go:embed migrations
 var Migrations embed.FS
 
@@ -34,7 +57,7 @@ type migration struct {
 	sql     string
 }
 
-var migrationFile = regexp.MustCompile(`^(\d{4})_([a-z0-9_]+)\.sql$`)
+var migrationFile = regexp.MustCompile(`^(\d{4})_([a-z0-9_]+)\.up\.sql$`)
 
 // migrationsFor reads the migrations of engine, in version order.
 func migrationsFor(engine string) ([]migration, error) {
@@ -148,14 +171,11 @@ func autoMigrate(ctx context.Context, db *gorm.DB) error {
 			if applied[m.version] {
 				continue
 			}
+			// The version's last statement records it.
 			for _, stmt := range statementsOf(m, t) {
 				if _, err := q.ExecContext(ctx, stmt); err != nil {
 					return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 				}
-			}
-			if _, err := q.ExecContext(ctx, d.Bind(`INSERT INTO `+versions+` (version, name, applied_at) VALUES (?, ?, ?)`),
-				m.version, m.name, time.Now().UTC().Format(time.RFC3339)); err != nil {
-				return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 			}
 		}
 		return nil
