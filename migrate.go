@@ -17,36 +17,38 @@ import (
 )
 
 // Migrations holds the schema as ordered SQL files per engine, the same
-// files AutoMigrate applies: migrations/postgres/0001_init.up.sql,
-// migrations/mysql/..., migrations/sqlite/... Each file is one version, named
-// as golang-migrate and goose both read it (version, name, ".up.sql"), and
-// begins with goose's "-- +goose Up"; its statements each end with a
-// semicolon at the end of a line. The first file creates the version table
-// outbox_records_migrations, and every file ends by recording its version
-// there, so that AutoMigrate takes a schema that a tool applied as current.
-// The files name the default table, outbox_records: a tool cannot apply
-// them for another [WithTable] name.
+// files AutoMigrate applies: migrations/postgres/0001_init.up.sql, ...,
+// migrations/mysql/..., migrations/sqlite/... Each file is one version,
+// named as golang-migrate and goose both read it, and begins with goose's
+// "-- +goose Up"; each statement ends with a semicolon at the end of a
+// line. The first file creates the version table outbox_records_migrations
+// and every file ends by recording its version there, so AutoMigrate takes
+// a schema a tool applied as current and applies only what the tool has
+// not. The files name the default table, outbox_records: a tool applies
+// them for that name only, not for another [WithTable] name.
 //
-// With golang-migrate, use its iofs source on the engine's directory, with
-// a version table of its own (x-migrations-table) if the database has
-// golang-migrate migrations of its own:
+// With golang-migrate, take the engine's directory through its iofs
+// source (on MySQL the DSN needs multiStatements=true):
 //
-//	src, _ := iofs.New(outbox.Migrations, "migrations/postgres")
-//	m, _ := migrate.NewWithSourceInstance("iofs", src,
-//		"pgx5://.../db?x-migrations-table=outbox_schema_migrations")
-//	err := m.Up()
+//	src, err := iofs.New(outbox.Migrations, "migrations/postgres")
+//	m, err := migrate.NewWithSourceInstance("iofs", src, databaseURL)
+//	err = m.Up()
 //
-// (on MySQL, "mysql://...?multiStatements=true"). With goose, a provider on
-// the same directory, with a version table of its own likewise:
+// With goose, a provider on the same directory:
 //
-//	dir, _ := fs.Sub(outbox.Migrations, "migrations/postgres")
-//	p, _ := goose.NewProvider(goose.DialectPostgres, sqlDB, dir,
-//		goose.WithStore(...)) // or goose.WithTableName, see docs/design.md
-//	_, err := p.Up(ctx)
+//	dir, err := fs.Sub(outbox.Migrations, "migrations/postgres")
+//	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, dir)
+//	_, err = p.Up(ctx)
 //
-// A tool's own version table knows nothing of what AutoMigrate applied: to
-// hand a database that AutoMigrate migrated over to a tool, tell the tool
-// it is at the newest version first (docs/design.md, "Migrations").
+// If the database has migrations of its own under the same tool, give the
+// outbox's a version table of their own (golang-migrate's
+// x-migrations-table, goose.WithTableName). The reverse hand-over is by
+// hand: a tool's version table knows nothing of what AutoMigrate applied,
+// and a tool run on such a database fails on version 1 (its record exists)
+// and changes nothing; tell the tool the database's version first
+// (golang-migrate's Force, rows in goose's table): docs/design.md,
+// "Migrations".
+//
 //go:embed migrations
 var Migrations embed.FS
 
