@@ -11,8 +11,7 @@ import (
 // a MySQL-only one without pgx). TestRootImportsNoDriver holds to that.
 
 // sqlState returns the SQLSTATE of the first error in err's tree that has
-// one: pgx's *pgconn.PgError (and lib/pq's *pq.Error) say it through a
-// SQLState method.
+// one: pgx's *pgconn.PgError says it through a SQLState method.
 func sqlState(err error) (string, bool) {
 	var se interface{ SQLState() string }
 	if errors.As(err, &se) {
