@@ -9,8 +9,8 @@
 // # Writing events
 //
 // Register the plugin and create or upgrade its tables at start-up (the
-// schema is versioned; [Migrations] holds its SQL files for your own
-// migration tool):
+// schema is versioned; [Migrations] holds its SQL files, which
+// golang-migrate and goose apply as they are):
 //
 //	db.Use(outbox.Plugin())
 //	outbox.AutoMigrate(db)
@@ -90,6 +90,11 @@
 // UPDATE ... RETURNING. The engines' SQL of the delivery path and the
 // migrator lives in internal/dialect, one file per engine, behind the one
 // interface the write and delivery paths call.
+//
+// The package imports no database driver: a program links only the GORM
+// driver it opens, so a PostgreSQL or MySQL program builds with
+// CGO_ENABLED=0. SQLite works through gorm.io/driver/sqlite
+// (mattn/go-sqlite3, cgo) and through the pure-Go github.com/glebarez/sqlite.
 //
 // # Around the core
 //

@@ -10,7 +10,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"time"
 
 	"gorm.io/gorm"
 
@@ -18,11 +17,37 @@ import (
 )
 
 // Migrations holds the schema as ordered SQL files per engine, the same
-// files AutoMigrate applies: migrations/postgres/0001_init.sql,
-// migrations/sqlite/0001_init.sql, ... Teams that run their own migration
-// tool (golang-migrate, goose, Atlas) apply them with it, in name order;
-// the files name the default table, outbox_records. Each file is a list of
-// statements, each ending with a semicolon at the end of a line.
+// files AutoMigrate applies: migrations/postgres/0001_init.up.sql, ...,
+// migrations/mysql/..., migrations/sqlite/... Each file is one version,
+// named as golang-migrate and goose both read it, and begins with goose's
+// "-- +goose Up"; each statement ends with a semicolon at the end of a
+// line. The first file creates the version table outbox_records_migrations
+// and every file ends by recording its version there, so AutoMigrate takes
+// a schema a tool applied as current and applies only what the tool has
+// not. The files name the default table, outbox_records: a tool applies
+// them for that name only, not for another [WithTable] name.
+//
+// With golang-migrate, take the engine's directory through its iofs
+// source (on MySQL the DSN needs multiStatements=true):
+//
+//	src, err := iofs.New(outbox.Migrations, "migrations/postgres")
+//	m, err := migrate.NewWithSourceInstance("iofs", src, databaseURL)
+//	err = m.Up()
+//
+// With goose, a provider on the same directory:
+//
+//	dir, err := fs.Sub(outbox.Migrations, "migrations/postgres")
+//	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, dir)
+//	_, err = p.Up(ctx)
+//
+// If the database has migrations of its own under the same tool, give the
+// outbox's a version table of their own (golang-migrate's
+// x-migrations-table, goose.WithTableName). The reverse hand-over is by
+// hand: a tool's version table knows nothing of what AutoMigrate applied,
+// and a tool run on such a database fails on version 1 (its record exists)
+// and changes nothing; tell the tool the database's version first
+// (golang-migrate's Force, rows in goose's table): docs/design.md,
+// "Migrations".
 //
 //go:embed migrations
 var Migrations embed.FS
@@ -34,7 +59,7 @@ type migration struct {
 	sql     string
 }
 
-var migrationFile = regexp.MustCompile(`^(\d{4})_([a-z0-9_]+)\.sql$`)
+var migrationFile = regexp.MustCompile(`^(\d{4})_([a-z0-9_]+)\.up\.sql$`)
 
 // migrationsFor reads the migrations of engine, in version order.
 func migrationsFor(engine string) ([]migration, error) {
@@ -148,14 +173,11 @@ func autoMigrate(ctx context.Context, db *gorm.DB) error {
 			if applied[m.version] {
 				continue
 			}
+			// The version's last statement records it.
 			for _, stmt := range statementsOf(m, t) {
 				if _, err := q.ExecContext(ctx, stmt); err != nil {
 					return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 				}
-			}
-			if _, err := q.ExecContext(ctx, d.Bind(`INSERT INTO `+versions+` (version, name, applied_at) VALUES (?, ?, ?)`),
-				m.version, m.name, time.Now().UTC().Format(time.RFC3339)); err != nil {
-				return fmt.Errorf("version %d (%s): %w", m.version, m.name, err)
 			}
 		}
 		return nil

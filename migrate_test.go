@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"io/fs"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -17,11 +18,11 @@ import (
 func oldSchema(t *testing.T, e outboxtest.Engine) []string {
 	t.Helper()
 	dir := map[outboxtest.Engine]string{outboxtest.SQLite: "sqlite", outboxtest.Postgres: "postgres", outboxtest.MySQL: "mysql"}[e]
-	text, err := fs.ReadFile(outbox.Migrations, "migrations/"+dir+"/0001_init.sql")
+	text, err := fs.ReadFile(outbox.Migrations, "migrations/"+dir+"/0001_init.up.sql")
 	mustNil(t, err)
 	var stmts []string
 	for _, s := range strings.Split(string(text), ";\n") {
-		if strings.TrimSpace(stripComments(s)) != "" {
+		if s = strings.TrimSpace(stripComments(s)); s != "" && !strings.Contains(s, "outbox_records_migrations") {
 			stmts = append(stmts, s)
 		}
 	}
@@ -114,8 +115,32 @@ func TestMigrationsAreTheFilesAutoMigrateApplies(t *testing.T) {
 		for _, e := range entries {
 			names = append(names, e.Name())
 		}
-		if got := strings.Join(names, " "); got != "0001_init.sql 0002_dead_letters.sql 0003_shard_window.sql 0004_discarded.sql" {
+		if got := strings.Join(names, " "); got != "0001_init.up.sql 0002_dead_letters.up.sql 0003_shard_window.up.sql 0004_discarded.up.sql" {
 			t.Errorf("%s migrations: %s", dir, got)
+		}
+	}
+}
+
+// Each file is a goose migration ("-- +goose Up" first) whose last
+// statement records its own version and name, which is how AutoMigrate
+// knows what a tool applied (compat/migrationtools applies them with
+// golang-migrate and goose).
+func TestEveryMigrationIsAGooseMigrationThatRecordsItsVersion(t *testing.T) {
+	record := regexp.MustCompile(`(?s)INSERT INTO outbox_records_migrations \(version, name, applied_at\)\s+VALUES \((\d+), '([a-z0-9_]+)', [^;]+\);\s*$`)
+	file := regexp.MustCompile(`^0*(\d+)_([a-z0-9_]+)\.up\.sql$`)
+	for _, dir := range []string{"postgres", "sqlite", "mysql"} {
+		entries, err := fs.ReadDir(outbox.Migrations, "migrations/"+dir)
+		mustNil(t, err)
+		for _, e := range entries {
+			text, err := fs.ReadFile(outbox.Migrations, "migrations/"+dir+"/"+e.Name())
+			mustNil(t, err)
+			if !strings.HasPrefix(string(text), "-- +goose Up\n") {
+				t.Errorf("%s/%s does not begin with -- +goose Up", dir, e.Name())
+			}
+			f, r := file.FindStringSubmatch(e.Name()), record.FindStringSubmatch(string(text))
+			if r == nil || f == nil || r[1] != f[1] || r[2] != f[2] {
+				t.Errorf("%s/%s does not end by recording version %v: found %v", dir, e.Name(), f, r)
+			}
 		}
 	}
 }

@@ -3,24 +3,29 @@ package dialect
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 
-	gormmysql "gorm.io/driver/mysql"
 	"gorm.io/gorm"
 )
 
 // mysqlFlavour returns the dialect for db's MySQL server: MariaDB has
 // INSERT ... RETURNING and DELETE ... RETURNING (since 10.5), MySQL has no
-// RETURNING at all. GORM's dialector learns the server's version when it
-// opens (unless told to skip that: the server is then taken for MySQL).
+// RETURNING at all. GORM's dialector (gorm.io/driver/mysql's Dialector,
+// through its embedded *Config) learns the server's version when it opens,
+// unless told to skip that: the server is then taken for MySQL. The field
+// is read by name, so that this package does not import the MySQL driver.
 func mysqlFlavour(db *gorm.DB) mysqlDialect {
 	var version string
-	switch dl := db.Dialector.(type) {
-	case *gormmysql.Dialector:
-		version = dl.ServerVersion
-	case gormmysql.Dialector:
-		version = dl.ServerVersion
+	v := reflect.ValueOf(db.Dialector)
+	if v.Kind() == reflect.Pointer && !v.IsNil() {
+		v = v.Elem()
+	}
+	if v.Kind() == reflect.Struct {
+		if f := field(v, "ServerVersion"); f.Kind() == reflect.String {
+			version = f.String()
+		}
 	}
 	return mysqlDialect{mariadb: strings.Contains(strings.ToLower(version), "mariadb")}
 }

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/go-sql-driver/mysql"
 	"gorm.io/gorm"
 )
 
@@ -15,8 +14,8 @@ import (
 // transaction back) or a lock wait timeout (1205, which rolls back the
 // statement, or the transaction under innodb_rollback_on_timeout).
 func (mysqlDialect) LockConflict(err error) bool {
-	var me *mysql.MySQLError
-	return errors.As(err, &me) && (me.Number == 1213 || me.Number == 1205)
+	n, _, ok := mysqlError(err)
+	return ok && (n == 1213 || n == 1205)
 }
 
 // readCommittedTx runs fn in a READ COMMITTED transaction on a connection

@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
 	"gorm.io/gorm"
 )
 
@@ -119,16 +118,16 @@ func (mysqlDialect) releaseSequence(ctx context.Context, conn gorm.ConnPool, t T
 // error. The server ends the message with "for key '<name>'", the name
 // prefixed with the table's since MySQL 8.0.19.
 func duplicateKey(err error) string {
-	var me *mysql.MySQLError
-	if !errors.As(err, &me) || me.Number != 1062 {
+	n, msg, ok := mysqlError(err)
+	if !ok || n != 1062 {
 		return ""
 	}
 	const marker = "for key '"
-	i := strings.LastIndex(me.Message, marker)
+	i := strings.LastIndex(msg, marker)
 	if i < 0 {
 		return ""
 	}
-	key := strings.TrimSuffix(me.Message[i+len(marker):], "'")
+	key := strings.TrimSuffix(msg[i+len(marker):], "'")
 	return key[strings.LastIndexByte(key, '.')+1:]
 }
 
@@ -136,11 +135,11 @@ func duplicateKey(err error) string {
 // than failing: the event is then invalid, not the write. Each of these
 // errors rolls back the statement only.
 func (mysqlDialect) RejectsData(err error) bool {
-	var me *mysql.MySQLError
-	if !errors.As(err, &me) {
+	n, _, ok := mysqlError(err)
+	if !ok {
 		return errors.Is(err, errOverPacket)
 	}
-	switch me.Number {
+	switch n {
 	case 1048, // a NULL where none may be
 		1264, // a number out of range
 		1292, // an invalid date or time

@@ -7,12 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"gorm.io/gorm"
 )
 
@@ -262,8 +261,8 @@ func (postgresDialect) LockConflict(error) bool { return false }
 
 // RejectsData: SQLSTATE class 22 is "data exception".
 func (postgresDialect) RejectsData(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
+	code, ok := sqlState(err)
+	return ok && strings.HasPrefix(code, "22")
 }
 
 // Listen holds one connection of db's pool for LISTEN, outside the pool's
@@ -285,23 +284,56 @@ func (postgresDialect) Listen(ctx context.Context, db *gorm.DB, t Tables, wake f
 	}
 	defer conn.Close()
 	return conn.Raw(func(driverConn any) error {
-		c, ok := driverConn.(interface{ Conn() *pgx.Conn })
-		if !ok {
+		exec, ok := driverConn.(driver.ExecerContext)
+		wait := notificationWaiter(driverConn)
+		if !ok || wait == nil {
 			return ErrNoListen
 		}
-		pc := c.Conn()
-		if _, err := pc.Exec(ctx, "LISTEN "+quote(t.Name)); err != nil {
+		if _, err := exec.ExecContext(ctx, "LISTEN "+quote(t.Name), nil); err != nil {
 			return errors.Join(err, driver.ErrBadConn)
 		}
 		// Rows may have committed while nobody listened.
 		wake()
 		for {
-			if _, err := pc.WaitForNotification(ctx); err != nil {
+			if err := wait(ctx); err != nil {
 				return errors.Join(err, driver.ErrBadConn)
 			}
 			wake()
 		}
 	})
+}
+
+// notificationWaiter returns the function that waits for the next
+// notification on driverConn, or nil where the driver has none. pgx's
+// database/sql connection (*stdlib.Conn, which gorm.io/driver/postgres
+// opens) hands out its *pgx.Conn through Conn(), whose
+// WaitForNotification(ctx) (*pgconn.Notification, error) waits; both are
+// reached by name, so that this package does not import pgx and a program
+// that does not use PostgreSQL does not link it.
+func notificationWaiter(driverConn any) func(ctx context.Context) error {
+	connOf := reflect.ValueOf(driverConn).MethodByName("Conn")
+	if !connOf.IsValid() || connOf.Type().NumIn() != 0 || connOf.Type().NumOut() != 1 {
+		return nil
+	}
+	pc := connOf.Call(nil)[0]
+	if pc.Kind() == reflect.Pointer && pc.IsNil() {
+		return nil
+	}
+	waitFor := pc.MethodByName("WaitForNotification")
+	ctxType, errType := reflect.TypeFor[context.Context](), reflect.TypeFor[error]()
+	if !waitFor.IsValid() {
+		return nil
+	}
+	if wt := waitFor.Type(); wt.NumIn() != 1 || wt.In(0) != ctxType || wt.NumOut() != 2 || wt.Out(1) != errType {
+		return nil
+	}
+	return func(ctx context.Context) error {
+		out := waitFor.Call([]reflect.Value{reflect.ValueOf(ctx)})
+		if err, _ := out[1].Interface().(error); err != nil {
+			return err
+		}
+		return nil
+	}
 }
 
 // NotifyCommitted notifies t's channel in a transaction of its own. The

@@ -4,15 +4,14 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/mattn/go-sqlite3"
 	"gorm.io/gorm"
 )
 
-// sqliteDialect is SQLite, through mattn/go-sqlite3 (gorm.io/driver/sqlite).
+// sqliteDialect is SQLite, through mattn/go-sqlite3 (gorm.io/driver/sqlite,
+// cgo) or the pure-Go modernc.org/sqlite (github.com/glebarez/sqlite).
 // A claim holds the database's write lock from its first read to its
 // lease (BEGIN IMMEDIATE), so it needs no row locks; lists travel as JSON
 // text, read with json_each; timestamps are text in one fixed-width UTC
@@ -188,13 +187,17 @@ func (sqliteDialect) Listen(context.Context, *gorm.DB, Tables, func()) error { r
 // long enough to be ended for it.
 func (sqliteDialect) LockConflict(error) bool { return false }
 
+// sqliteConstraintCheck is SQLITE_CONSTRAINT_CHECK, the extended result
+// code of a CHECK constraint's failure.
+const sqliteConstraintCheck = 19 | 1<<8
+
 // RejectsData: SQLite stores any text and number it is given; the values
 // it refuses are those the schema's CHECK constraints refuse, such as a
 // payload that encoding/json accepts and SQLite's JSON parser does not
 // (nested deeper than its limit of 1000).
 func (sqliteDialect) RejectsData(err error) bool {
-	var se sqlite3.Error
-	return errors.As(err, &se) && se.ExtendedCode == sqlite3.ErrConstraintCheck
+	code, ok := sqliteCode(err)
+	return ok && code == sqliteConstraintCheck
 }
 
 // immediate runs fn in a transaction that holds the database's write lock

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 2: dead letters that stay dead.
 -- failure_kind says why a failed row failed: 'permanent' (the publisher
 -- said so, no handler, an unreadable row) or 'exhausted' (it ran out of
@@ -9,3 +10,7 @@ ALTER TABLE outbox_records ADD COLUMN failure_kind TEXT
 	CHECK (failure_kind IN ('permanent', 'exhausted'));
 
 ALTER TABLE outbox_records ADD COLUMN revivals INTEGER NOT NULL DEFAULT 0;
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (2, 'dead_letters', strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 4: discarded events.
 -- Dispatcher.Discard takes dead letters (failed rows) out of delivery for
 -- good: it moves each into this table, with when it failed and when it
@@ -29,3 +30,7 @@ CREATE TABLE IF NOT EXISTS outbox_records_discarded (
 	PRIMARY KEY (id),
 	KEY outbox_records_discarded_event_id (event_id)
 ) ENGINE = InnoDB DEFAULT CHARACTER SET = utf8mb4;
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (4, 'discarded', DATE_FORMAT(UTC_TIMESTAMP(), '%Y-%m-%dT%H:%i:%sZ'));

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 3: the shards' window.
 -- Dispatchers that hold each other back claim by shard: the due rows of
 -- one eighth of the aggregates, by a hash of aggregate type and id
@@ -13,3 +14,7 @@ CREATE INDEX IF NOT EXISTS outbox_records_due_shard ON outbox_records
 
 CREATE STATISTICS IF NOT EXISTS outbox_records_shard
 	ON (hashtext(aggregate_type || '/' || aggregate_id) & 7) FROM outbox_records;
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (3, 'shard_window', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'));

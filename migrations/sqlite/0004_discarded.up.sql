@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 4: discarded events.
 -- Dispatcher.Discard takes dead letters (failed rows) out of delivery for
 -- good: it moves each into this table, with when it failed and when it
@@ -28,3 +29,7 @@ CREATE TABLE IF NOT EXISTS outbox_records_discarded (
 );
 
 CREATE INDEX IF NOT EXISTS outbox_records_discarded_event_id ON outbox_records_discarded (event_id);
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (4, 'discarded', strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 1: the outbox table, its per-aggregate
 -- sequence table and their indexes, as AutoMigrate created them before
 -- migrations were versioned (hence IF NOT EXISTS: a table made then is
@@ -6,6 +7,16 @@
 -- Timestamps are text in one fixed-width UTC form, so that text order is
 -- time order. AUTOINCREMENT: ids are never reused, so id order stays
 -- insertion order after cleanup.
+
+-- The version table, in which each version records itself at its end, so
+-- that AutoMigrate knows what applied, whichever tool applied it.
+-- AutoMigrate creates it first, the same.
+CREATE TABLE IF NOT EXISTS outbox_records_migrations (
+	version    integer PRIMARY KEY,
+	name       varchar(200) NOT NULL,
+	applied_at varchar(40)  NOT NULL
+);
+
 CREATE TABLE IF NOT EXISTS outbox_records (
 	id                 INTEGER  PRIMARY KEY AUTOINCREMENT,
 	event_id           TEXT     NOT NULL UNIQUE,
@@ -48,3 +59,7 @@ CREATE INDEX IF NOT EXISTS outbox_records_delivered ON outbox_records (delivered
 
 CREATE INDEX IF NOT EXISTS outbox_records_failed ON outbox_records (updated_at, id)
 	WHERE delivery_state = 'failed';
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (1, 'init', strftime('%Y-%m-%dT%H:%M:%SZ', 'now'));

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 2: dead letters that stay dead.
 -- failure_kind says why a failed row failed: 'permanent' (the publisher
 -- said so, no handler, an unreadable row) or 'exhausted' (it ran out of
@@ -9,3 +10,7 @@ ALTER TABLE outbox_records ADD COLUMN failure_kind text
 	CHECK (failure_kind IN ('permanent', 'exhausted'));
 
 ALTER TABLE outbox_records ADD COLUMN revivals integer NOT NULL DEFAULT 0;
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (2, 'dead_letters', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'));

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 1, for MySQL 8.0+ and MariaDB 10.6+: the
 -- outbox table, its per-aggregate sequence table and their indexes. The
 -- names are those of the default table, outbox_records; AutoMigrate
@@ -19,6 +20,16 @@
 -- all of them. A lookup by (aggregate_type, undelivered_id) reads only the
 -- undelivered rows of the aggregate, not its delivered history. A column
 -- that stays NULL costs no index write when other columns change.
+
+-- The version table, in which each version records itself at its end, so
+-- that AutoMigrate knows what applied, whichever tool applied it.
+-- AutoMigrate creates it first, the same.
+CREATE TABLE IF NOT EXISTS outbox_records_migrations (
+	version    integer PRIMARY KEY,
+	name       varchar(200) NOT NULL,
+	applied_at varchar(40)  NOT NULL
+);
+
 CREATE TABLE IF NOT EXISTS outbox_records (
 	id                 BIGINT        NOT NULL AUTO_INCREMENT,
 	event_id           VARBINARY(1020) NOT NULL,
@@ -73,3 +84,7 @@ CREATE TABLE IF NOT EXISTS outbox_records_sequences (
 	last_sequence  BIGINT NOT NULL,
 	PRIMARY KEY (aggregate_type, aggregate_id)
 ) ENGINE = InnoDB DEFAULT CHARACTER SET = utf8mb4;
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (1, 'init', DATE_FORMAT(UTC_TIMESTAMP(), '%Y-%m-%dT%H:%i:%sZ'));

@@ -1,3 +1,4 @@
+-- +goose Up
 -- gorm-outbox schema, version 3: the shards' window.
 -- Dispatchers that hold each other back claim by shard: the due rows of
 -- one eighth of the aggregates, by a hash of aggregate type and id
@@ -9,3 +10,7 @@
 ALTER TABLE outbox_records
 	ADD COLUMN shard TINYINT UNSIGNED GENERATED ALWAYS AS (CRC32(CONCAT(aggregate_type, '/', aggregate_id)) & 7) STORED,
 	ADD KEY outbox_records_due_shard (shard, due_at, id);
+
+-- This version applied.
+INSERT INTO outbox_records_migrations (version, name, applied_at)
+VALUES (3, 'shard_window', DATE_FORMAT(UTC_TIMESTAMP(), '%Y-%m-%dT%H:%i:%sZ'));
