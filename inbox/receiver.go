@@ -78,7 +78,7 @@ func WithSecret(secret []byte) ReceiverOption {
 // WithMaxBytes bounds the request body; a longer one is answered 413. n
 // must be positive.
 //
-// Default: [outboxhttp.DefaultMaxBytes] (1 MiB).
+// Default: [outboxhttp.DefaultMaxBytes] (2 MiB).
 func WithMaxBytes(n int64) ReceiverOption {
 	return func(r *Receiver) error {
 		if n <= 0 {

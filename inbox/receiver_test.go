@@ -511,3 +511,23 @@ func TestAMessageTooLargeForTheReceiverFailsAloneAndTheRestOfItsBatchIsDelivered
 		})
 	}
 }
+
+// At the defaults, every event the outbox accepts reaches the receiver:
+// a payload of outbox.DefaultMaxPayloadBytes, with its envelope, fits
+// outboxhttp's and the receiver's body limit.
+func TestAnEventAtTheOutboxsPayloadLimitReachesTheReceiverAtTheDefaults(t *testing.T) {
+	t.Parallel()
+	consumer, in, _ := newConsumer(t, sqliteEngine)
+	p := newProducer(t, outboxtest.SQLite, newReceiver(t, in, shipMessage(nil)), nil)
+	// A JSON string's text is its characters and two quotes.
+	atLimit := strings.Repeat("x", outbox.DefaultMaxPayloadBytes-2)
+	if err := outbox.Publish(p.db,
+		outbox.Event{ID: "at-limit", Type: "order.changed", AggregateType: "order", AggregateID: "1", Payload: atLimit},
+		outbox.Event{ID: "next", Type: "order.changed", AggregateType: "order", AggregateID: "1", Payload: 1},
+	); err != nil {
+		t.Fatal(err)
+	}
+	p.drain(t)
+	checkRows(t, p.rows(t), map[string]string{"at-limit": "delivered/1", "next": "delivered/1"})
+	checkAppliedOnce(t, consumer, "at-limit", "next")
+}

@@ -20,7 +20,7 @@
 //	Outbox-Batch-Size: <number of messages>
 //	Outbox-Signature: sha256=<hex HMAC-SHA256 of the body>  (only with WithSecret)
 //
-// A body is at most [WithMaxBodyBytes] long (1 MiB by default, the
+// A body is at most [WithMaxBodyBytes] long (2 MiB by default, the
 // receiving side's default limit). A larger batch is sent in several
 // requests, one after the other, in the batch's order; the first carries
 // the batch's id as its batch_id, the n-th (n >= 2) carries

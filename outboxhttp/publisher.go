@@ -171,7 +171,7 @@ func WithUserAgent(ua string) Option {
 // requests, as Publish splits the refused request in halves to find the
 // message too large. n must be positive.
 //
-// Default: [DefaultMaxBytes] (1 MiB), the limit [DecodeRequest] and
+// Default: [DefaultMaxBytes] (2 MiB), the limit [DecodeRequest] and
 // inbox.Receiver apply unless told otherwise.
 func WithMaxBodyBytes(n int64) Option {
 	return func(cfg *config) error {

@@ -17,8 +17,10 @@ import (
 )
 
 // DefaultMaxBytes is the body limit [DecodeRequest] applies when given a
-// non-positive maxBytes.
-const DefaultMaxBytes = 1 << 20
+// non-positive maxBytes, and the default of [WithMaxBodyBytes]: 2 MiB,
+// twice [outbox.DefaultMaxPayloadBytes], so that at the defaults every
+// event the outbox accepts fits a request, with its envelope and headers.
+const DefaultMaxBytes = 2 << 20
 
 var (
 	// ErrBadSignature is returned by [DecodeRequest] when a secret is
