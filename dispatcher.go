@@ -285,9 +285,19 @@ func (d *Dispatcher) pool() gorm.ConnPool { return d.db.Statement.ConnPool }
 // messages were delivered. A settle that finds its lease taken over by
 // another dispatcher leaves that row alone.
 //
-// Cancelling ctx abandons the publish (the batch is then retried); the
-// settle always runs to completion. [Dispatcher.Dispatch] says more about
-// the round, for a drain loop of your own.
+// A round whose ctx ends (cancelled, or past its deadline) before the
+// publisher accepted the whole batch is not a delivery attempt: the
+// publish is abandoned (a publisher is asked to return when its context
+// ends), the messages it did not accept go back as they were claimed, due
+// again at once with no attempt counted (the next delivery of a new
+// message is attempt 1), whatever error the publisher returned, and
+// DispatchOnce returns an error wrapping ctx.Err() with the count of those
+// it did accept. The settle always runs to completion, on a context that is
+// not cancelled. (A publish that outlives the publish timeout, by contrast,
+// is a failed attempt.) [Dispatcher.Run] and the [Scheduler] never cancel a
+// publish: when they stop, the batch in flight is published and settled.
+// [Dispatcher.Dispatch] says more about the round, for a drain loop of
+// your own.
 func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
 	r, err := d.Dispatch(ctx)
 	return r.Delivered, err
@@ -338,12 +348,33 @@ func (d *Dispatcher) Dispatch(ctx context.Context) (r DispatchResult, err error)
 		}
 	}
 	var pubErr error
-	if len(batch.Messages) > 0 {
+	switch {
+	case len(batch.Messages) == 0:
+	case ctx.Err() != nil: // ended after the claim: not published
+		pubErr = ctx.Err()
+	default:
 		pubErr = d.publish(ctx, batch)
 	}
+	cancelled := pubErr != nil && ctx.Err() != nil
+	if cancelled {
+		pubErr = &cancelledError{pubErr}
+	}
 	delivered, err := d.settle(context.WithoutCancel(ctx), batch.ID, c.rows, pubErr)
+	if err == nil && cancelled {
+		err = fmt.Errorf("outbox: dispatch of batch %s cancelled; the messages not accepted are due again: %w", batch.ID, ctx.Err())
+	}
 	return DispatchResult{Claimed: len(c.rows), Delivered: delivered, More: c.more}, err
 }
+
+// cancelledError is the publish error of a round whose context ended
+// before its publisher accepted the whole batch. The publisher failed, or
+// was never called, because the caller stopped the round, not because
+// delivery failed: the messages it did not accept are put back as not
+// attempted and are due again at once (see [Dispatcher.settle]).
+type cancelledError struct{ err error }
+
+func (e *cancelledError) Error() string { return "dispatch cancelled: " + e.err.Error() }
+func (e *cancelledError) Unwrap() error { return e.err }
 
 // unreadableSeqs maps each aggregate of a batch that has a row that cannot
 // be read to the lowest sequence of such a row. It is nil for a batch
@@ -404,7 +435,7 @@ func (d *Dispatcher) publish(ctx context.Context, b Batch) error {
 		case err := <-done:
 			return err
 		case <-time.After(100 * time.Millisecond):
-			d.log.Error("outbox: publisher ignored its deadline; abandoning it, the batch will be retried", "batch_id", b.ID)
+			d.log.Error("outbox: publisher ignored the end of its context; abandoning it, the batch will be retried", "batch_id", b.ID)
 			return fmt.Errorf("outbox: publish: %w", pctx.Err())
 		}
 	}
