@@ -230,6 +230,12 @@ func WithLogger(l *slog.Logger) DispatcherOption {
 // NewDispatcher returns a dispatcher that delivers the outbox rows of db to
 // p. db must not be inside a transaction. It validates every option; an
 // invalid one yields an error wrapping [ErrInvalidOption] that names it.
+//
+// It then reads the schema versions of the outbox table (one query): on a
+// database without the outbox tables, or whose tables lack a version this
+// library needs, it fails with an error wrapping [ErrSchemaNotCurrent]
+// that names [AutoMigrate]; on a database that does not answer, with that
+// error. Call AutoMigrate (or apply [Migrations]) before NewDispatcher.
 func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatcher, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: nil *gorm.DB", ErrInvalidOption)
@@ -273,6 +279,9 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	}
 	if d.publishTimeout >= d.lease {
 		return nil, fmt.Errorf("%w: WithPublishTimeout: %v must be shorter than the lease (%v)", ErrInvalidOption, d.publishTimeout, d.lease)
+	}
+	if err := schemaCurrent(context.Background(), db, dl, d.t); err != nil {
+		return nil, err
 	}
 	return d, nil
 }
