@@ -236,6 +236,10 @@ func WithLogger(l *slog.Logger) DispatcherOption {
 // library needs, it fails with an error wrapping [ErrSchemaNotCurrent]
 // that names [AutoMigrate]; on a database that does not answer, with that
 // error. Call AutoMigrate (or apply [Migrations]) before NewDispatcher.
+// Last, like db.Use of the plugin, it logs one warning for each database
+// setting the documentation says matters that the database runs without
+// (see [OutboxPlugin.Initialize]; here through [WithLogger]), and never
+// fails on them.
 func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatcher, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: nil *gorm.DB", ErrInvalidOption)
@@ -283,6 +287,7 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if err := schemaCurrent(context.Background(), db, dl, d.t); err != nil {
 		return nil, err
 	}
+	warnSettings(context.Background(), db, dl, d.t, d.log)
 	return d, nil
 }
 
