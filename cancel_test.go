@@ -171,3 +171,60 @@ func TestCancelledDispatchWithPublisherIgnoringItsContext(t *testing.T) {
 		}
 	})
 }
+
+// TestStoppingRunOrSchedulerMidPublishCancelsNoPublish stops Run, and a
+// Scheduler, while their publisher publishes: the publish is not
+// cancelled, and its batch is settled as the publisher answers (here
+// delivered, at attempt 1) before Run returns or Stop does.
+func TestStoppingRunOrSchedulerMidPublishCancelsNoPublish(t *testing.T) {
+	stoppers := []struct {
+		name  string
+		start func(t *testing.T, d *outbox.Dispatcher) (stop func() error)
+	}{
+		{"Run", func(t *testing.T, d *outbox.Dispatcher) func() error {
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- d.Run(ctx) }()
+			return func() error { cancel(); return <-done }
+		}},
+		{"Scheduler", func(t *testing.T, d *outbox.Dispatcher) func() error {
+			s, err := outbox.NewScheduler(d, outbox.Schedule{Dispatch: "@every 1s"})
+			mustNil(t, err)
+			s.Start()
+			return func() error { return s.Stop(context.Background()) }
+		}},
+	}
+	for _, st := range stoppers {
+		t.Run(st.name, func(t *testing.T) {
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				publishN(t, b.db, "a", 1)
+				inPublish, release := make(chan struct{}), make(chan struct{})
+				var publishCtxErr error
+				p := outbox.PublisherFunc(func(ctx context.Context, _ outbox.Batch) error {
+					close(inPublish)
+					<-release
+					publishCtxErr = ctx.Err()
+					return ctx.Err()
+				})
+				stop := st.start(t, newDispatcher(t, b.db, p))
+				<-inPublish
+				stopped := make(chan error, 1)
+				go func() { stopped <- stop() }()
+				select {
+				case err := <-stopped:
+					t.Fatalf("stopped (%v) before the batch in flight was settled", err)
+				case <-time.After(100 * time.Millisecond):
+				}
+				close(release)
+				mustNil(t, <-stopped)
+				if publishCtxErr != nil {
+					t.Fatalf("the publish's context ended (%v) when its dispatcher was stopped", publishCtxErr)
+				}
+				if r := b.records(t)[0]; r.DeliveryState != "delivered" || r.DeliveryAttempts != 1 {
+					t.Fatalf("row %s after %d attempts, want delivered at attempt 1", r.DeliveryState, r.DeliveryAttempts)
+				}
+			})
+		})
+	}
+}
