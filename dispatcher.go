@@ -299,17 +299,19 @@ func (d *Dispatcher) pool() gorm.ConnPool { return d.db.Statement.ConnPool }
 // messages were delivered. A settle that finds its lease taken over by
 // another dispatcher leaves that row alone.
 //
-// A round whose ctx ends (cancelled, or past its deadline) before the
-// publisher accepted the whole batch is not a delivery attempt: the
-// publish is abandoned (a publisher is asked to return when its context
-// ends), the messages it did not accept go back as they were claimed, due
-// again at once with no attempt counted (the next delivery of a new
-// message is attempt 1), whatever error the publisher returned, and
-// DispatchOnce returns an error wrapping ctx.Err() with the count of those
-// it did accept. The settle always runs to completion, on a context that is
-// not cancelled. (A publish that outlives the publish timeout, by contrast,
-// is a failed attempt.) [Dispatcher.Run] and the [Scheduler] never cancel a
-// publish: when they stop, the batch in flight is published and settled.
+// A round whose ctx ends (cancelled, or past its deadline) before its
+// publisher has accepted the whole batch is not a delivery attempt,
+// whatever error the publisher returns: the publish is abandoned (a
+// publisher should return when its context ends), the messages it did not
+// accept go back as they were (due again at once, their attempts
+// unchanged, so that a new message's next delivery is attempt 1), and
+// DispatchOnce returns the count of those it accepted with an error
+// wrapping ctx.Err(). A batch accepted whole is delivered, with no error.
+// The settle always runs to completion, on a context that is not
+// cancelled. A publish that outlives the publish timeout, by contrast, is
+// a failed attempt. [Dispatcher.Run] and the [Scheduler] never cancel a
+// publish: when they stop, the batch in flight is published and settled
+// first.
 // [Dispatcher.Dispatch] says more about the round, for a drain loop of
 // your own.
 func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
