@@ -61,6 +61,7 @@ func TestSchedulerDeliversSkipsOverlapsAndStopsAfterBatchInFlight(t *testing.T) 
 
 func TestNewSchedulerRejectsBadSpecs(t *testing.T) {
 	db, _ := outboxtest.Open(t, outboxtest.SQLite, nil)
+	mustNil(t, outbox.AutoMigrate(db))
 	d := newDispatcher(t, db, &recorder{})
 	for _, s := range []outbox.Schedule{
 		{Dispatch: "every second"},

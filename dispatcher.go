@@ -231,6 +231,16 @@ func WithLogger(l *slog.Logger) DispatcherOption {
 // p. db must not be inside a transaction, and on MySQL (MariaDB) its DSN
 // must have parseTime=true. It validates every option; an invalid one
 // yields an error wrapping [ErrInvalidOption] that names it.
+//
+// It then reads the schema versions of the outbox table (one query): on a
+// database without the outbox tables, or whose tables lack a version this
+// library needs, it fails with an error wrapping [ErrSchemaNotCurrent]
+// that names [AutoMigrate]; on a database that does not answer, with that
+// error. Call AutoMigrate (or apply [Migrations]) before NewDispatcher.
+// Last, like db.Use of the plugin, it logs one warning for each database
+// setting the documentation says matters that the database runs without
+// (see [OutboxPlugin.Initialize]; here through [WithLogger]), and never
+// fails on them.
 func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatcher, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: nil *gorm.DB", ErrInvalidOption)
@@ -278,6 +288,10 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if d.publishTimeout >= d.lease {
 		return nil, fmt.Errorf("%w: WithPublishTimeout: %v must be shorter than the lease (%v)", ErrInvalidOption, d.publishTimeout, d.lease)
 	}
+	if err := schemaCurrent(context.Background(), db, dl, d.t); err != nil {
+		return nil, err
+	}
+	warnSettings(context.Background(), db, dl, d.t, d.log)
 	return d, nil
 }
 
@@ -289,9 +303,21 @@ func (d *Dispatcher) pool() gorm.ConnPool { return d.db.Statement.ConnPool }
 // messages were delivered. A settle that finds its lease taken over by
 // another dispatcher leaves that row alone.
 //
-// Cancelling ctx abandons the publish (the batch is then retried); the
-// settle always runs to completion. [Dispatcher.Dispatch] says more about
-// the round, for a drain loop of your own.
+// A round whose ctx ends (cancelled, or past its deadline) before its
+// publisher has accepted the whole batch is not a delivery attempt,
+// whatever error the publisher returns: the publish is abandoned (a
+// publisher should return when its context ends), the messages it did not
+// accept go back as they were (due again at once, their attempts
+// unchanged, so that a new message's next delivery is attempt 1), and
+// DispatchOnce returns the count of those it accepted with an error
+// wrapping ctx.Err(). A batch accepted whole is delivered, with no error.
+// The settle always runs to completion, on a context that is not
+// cancelled. A publish that outlives the publish timeout, by contrast, is
+// a failed attempt. [Dispatcher.Run] and the [Scheduler] never cancel a
+// publish: when they stop, the batch in flight is published and settled
+// first.
+// [Dispatcher.Dispatch] says more about the round, for a drain loop of
+// your own.
 func (d *Dispatcher) DispatchOnce(ctx context.Context) (int, error) {
 	r, err := d.Dispatch(ctx)
 	return r.Delivered, err
@@ -342,12 +368,33 @@ func (d *Dispatcher) Dispatch(ctx context.Context) (r DispatchResult, err error)
 		}
 	}
 	var pubErr error
-	if len(batch.Messages) > 0 {
+	switch {
+	case len(batch.Messages) == 0:
+	case ctx.Err() != nil: // ended after the claim: not published
+		pubErr = ctx.Err()
+	default:
 		pubErr = d.publish(ctx, batch)
 	}
+	cancelled := pubErr != nil && ctx.Err() != nil
+	if cancelled {
+		pubErr = &cancelledError{pubErr}
+	}
 	delivered, err := d.settle(context.WithoutCancel(ctx), batch.ID, c.rows, pubErr)
+	if err == nil && cancelled {
+		err = fmt.Errorf("outbox: dispatch of batch %s cancelled; the messages not accepted are due again: %w", batch.ID, ctx.Err())
+	}
 	return DispatchResult{Claimed: len(c.rows), Delivered: delivered, More: c.more}, err
 }
+
+// cancelledError is the publish error of a round whose context ended
+// before its publisher accepted the whole batch. The publisher failed, or
+// was never called, because the caller stopped the round, not because
+// delivery failed: the messages it did not accept are put back as not
+// attempted and are due again at once (see [Dispatcher.settle]).
+type cancelledError struct{ err error }
+
+func (e *cancelledError) Error() string { return "dispatch cancelled: " + e.err.Error() }
+func (e *cancelledError) Unwrap() error { return e.err }
 
 // unreadableSeqs maps each aggregate of a batch that has a row that cannot
 // be read to the lowest sequence of such a row. It is nil for a batch
@@ -408,7 +455,7 @@ func (d *Dispatcher) publish(ctx context.Context, b Batch) error {
 		case err := <-done:
 			return err
 		case <-time.After(100 * time.Millisecond):
-			d.log.Error("outbox: publisher ignored its deadline; abandoning it, the batch will be retried", "batch_id", b.ID)
+			d.log.Error("outbox: publisher ignored the end of its context; abandoning it, the batch will be retried", "batch_id", b.ID)
 			return fmt.Errorf("outbox: publish: %w", pctx.Err())
 		}
 	}

@@ -1,8 +1,10 @@
 package outbox
 
 import (
+	"context"
 	"database/sql"
 	"fmt"
+	"log/slog"
 	"reflect"
 	"regexp"
 	"strings"
@@ -54,7 +56,8 @@ const pluginName = "outbox"
 type OutboxPlugin struct {
 	tables dialect.Tables
 	notify bool
-	err    error // an invalid option, reported by Initialize
+	log    *slog.Logger // WithPluginLogger
+	err    error        // an invalid option, reported by Initialize
 
 	contextHeaders []contextHeadersFunc // WithContextHeaders
 	maxPayload     int                  // WithMaxPayloadBytes; 0: DefaultMaxPayloadBytes
@@ -127,6 +130,7 @@ func Plugin(opts ...Option) *OutboxPlugin {
 	p := &OutboxPlugin{
 		tables:   dialect.TablesFor(DefaultTable),
 		notify:   true,
+		log:      slog.Default(),
 		emitters: make(map[reflect.Type]func(any, Op) ([]Event, error)),
 		wakers:   make(map[*func()]struct{}),
 
@@ -144,7 +148,12 @@ func Plugin(opts ...Option) *OutboxPlugin {
 func (p *OutboxPlugin) Name() string { return pluginName }
 
 // Initialize registers the plugin's callbacks on db. GORM calls it from
-// db.Use.
+// db.Use. It logs one warning (see [WithPluginLogger]) for each setting
+// the documentation says matters that the database runs without: on
+// SQLite, the WAL journal mode and a busy timeout (a file database opened
+// without them fails concurrent writes with "database is locked"); on
+// PostgreSQL, autovacuum. These checks cost a query or two, and never make
+// db.Use fail.
 func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
 	if p.err != nil {
 		return p.err
@@ -156,6 +165,7 @@ func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
 	if err := checkParseTime(db, dl); err != nil {
 		return err
 	}
+	warnSettings(context.Background(), db, dl, dl.Tables(p.tables.Name), p.log)
 	return p.registerCallbacks(db)
 }
 

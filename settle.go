@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/gorm-outbox/outbox/internal/dialect"
@@ -41,6 +42,13 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 		switch {
 		case err == nil:
 			delivered++
+		case errors.Is(err, errCancelled):
+			// Back as it was, due at once: the round was stopped, nothing
+			// was tried.
+			k.state, k.attempts = StateRetry, r.attempts
+			if r.attempts == 0 {
+				k.state = StatePending
+			}
 		case errors.Is(err, ErrNotAttempted):
 			// Back without counting an attempt, after a poll interval so that
 			// a publisher that keeps declining cannot spin the dispatcher.
@@ -95,11 +103,14 @@ func (d *Dispatcher) settle(ctx context.Context, batchID string, rows []claimed,
 			"batch_id", batchID, "rows", len(rows), "settled", settled)
 	}
 	if pubErr != nil {
-		msg := "outbox: batch not accepted"
+		msg, level := "outbox: batch not accepted", slog.LevelWarn
 		if delivered > 0 {
 			msg = "outbox: batch partly accepted"
 		}
-		d.log.Warn(msg, "batch_id", batchID, "messages", len(rows),
+		if errors.As(pubErr, new(*cancelledError)) {
+			msg, level = "outbox: dispatch cancelled; the messages not accepted are due again, no attempt counted", slog.LevelInfo
+		}
+		d.log.Log(ctx, level, msg, "batch_id", batchID, "messages", len(rows),
 			"delivered", delivered, "dead_lettered", failed, "error", pubErr)
 	}
 	return delivered, nil
@@ -189,6 +200,11 @@ var errAcceptedOutOfOrder = fmt.Errorf("%w: accepted after a failed message of i
 // is put back, and waits behind that row's dead letter.
 var errBehindUnreadable = fmt.Errorf("%w: an earlier event of its aggregate in the batch cannot be read", ErrNotAttempted)
 
+// errCancelled is the outcome of a message that the publisher did not
+// accept in a round whose context ended (see cancelledError): it is put
+// back as not attempted, due again at once.
+var errCancelled = fmt.Errorf("%w: its dispatch was cancelled", ErrNotAttempted)
+
 // outcomes returns, per row, nil when the publisher accepted it or why not.
 // Rows withheld from the publisher (unreadable) have their own outcome.
 func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
@@ -196,6 +212,7 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 	held := unreadable(rows)
 	var partial *PartialError
 	isPartial := errors.As(pubErr, &partial)
+	cancelled := errors.As(pubErr, new(*cancelledError))
 	failedAggregates := map[dialect.Aggregate]bool{}
 	for i, r := range rows {
 		agg := dialect.Aggregate{Type: r.msg.AggregateType, ID: r.msg.AggregateID}
@@ -222,6 +239,9 @@ func (d *Dispatcher) outcomes(rows []claimed, pubErr error) []error {
 			}
 		default:
 			out[i] = pubErr
+		}
+		if cancelled && out[i] != nil && r.bad == nil && !held.withholds(r) {
+			out[i] = errCancelled
 		}
 	}
 	return out

@@ -25,7 +25,7 @@ type bundle struct {
 func setup(t *testing.T, e outboxtest.Engine, cfg *gorm.Config, opts ...outbox.Option) bundle {
 	t.Helper()
 	db, info := outboxtest.Open(t, e, cfg)
-	p := outbox.Plugin(opts...)
+	p := outbox.Plugin(append([]outbox.Option{outbox.WithPluginLogger(outboxtest.Logger(t))}, opts...)...)
 	if err := db.Use(p); err != nil {
 		t.Fatalf("db.Use: %v", err)
 	}

@@ -127,7 +127,7 @@ func (g *globals) open(ctx context.Context, create bool) (*gorm.DB, error) {
 		sqlDB.Close()
 		return nil, fmt.Errorf("cannot reach the database: %w", err)
 	}
-	if err := db.Use(outbox.Plugin(outbox.WithTable(g.table))); err != nil {
+	if err := db.Use(outbox.Plugin(outbox.WithTable(g.table), outbox.WithPluginLogger(g.logger()))); err != nil {
 		sqlDB.Close()
 		return nil, err
 	}
@@ -136,6 +136,13 @@ func (g *globals) open(ctx context.Context, create bool) (*gorm.DB, error) {
 		return nil, fmt.Errorf("table %s does not exist in this database (outboxctl migrate creates it; --table names another)", g.table)
 	}
 	return db, nil
+}
+
+// logger is the log of the plugin and the dispatcher: errors only, on
+// stderr. Their warnings concern the service (the database settings it
+// should run with, parking that heals by itself), not a command.
+func (g *globals) logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(g.stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 }
 
 // refusing is the publisher of outboxctl's dispatcher, which never runs.
@@ -157,7 +164,7 @@ func (g *globals) dispatcher(ctx context.Context, opts ...outbox.DispatcherOptio
 			sqlDB.Close()
 		}
 	}
-	opts = append([]outbox.DispatcherOption{outbox.WithLogger(slog.New(slog.NewTextHandler(g.stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))}, opts...)
+	opts = append([]outbox.DispatcherOption{outbox.WithLogger(g.logger())}, opts...)
 	d, err := outbox.NewDispatcher(db, refusing{}, opts...)
 	if err != nil {
 		closeDB()
