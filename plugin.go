@@ -60,7 +60,8 @@ type OutboxPlugin struct {
 	wakers    map[*func()]struct{}
 	notifiers map[*sql.DB]*notifier
 
-	ownInFlight atomic.Int64 // transactions whose commit the plugin sees, counted in flight (see wake.go)
+	ownInFlight atomic.Int64  // transactions whose commit the plugin sees, counted in flight (see wake.go)
+	savepoints  atomic.Uint64 // savepoints set, which numbers their names (see savepoint)
 }
 
 // Option configures a [Plugin].
