@@ -50,7 +50,13 @@ type returned struct {
 	// otherwise.
 	existing map[string]bool
 	keys     []*schema.Field // the fields of those keys
-	upsert   bool            // the statement was an upsert that may update
+	// before holds the rows an upsert may update, as they were before it
+	// ran, by keyText of keys, where the engine returns the rows an
+	// upsert left as they were (MySQL: lockClashingRows); noops is then
+	// true, and such a row records nothing.
+	before map[string]returnedRow
+	noops  bool
+	upsert bool // the statement was an upsert that may update
 	// unchanged: the upsert's assignments set every column to itself (how
 	// GORM writes DoNothing on MySQL), so a row it did not insert is
 	// one it left as it was, and records nothing.
@@ -429,17 +435,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned
 		if err != nil {
 			return fmt.Errorf("outbox: upsert of %s: %w", stmt.Schema.Name, err)
 		}
-		want := make([]string, len(r.keys))
-		for i, f := range r.keys {
-			want[i] = strings.ToLower(f.DBName)
-		}
-		slices.Sort(want)
-		for name, cols := range unique {
-			if !slices.Equal(cols, want) {
-				return fmt.Errorf("%w: upsert of %s on %s: the table's unique key %s (%s) is not the conflict key (%s), and the upsert fires on either, even for one row; run the statement through outbox.WithoutEvents and record events with outbox.Publish",
-					ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), name, strings.Join(cols, ", "), strings.Join(want, ", "))
-			}
-		}
+		return p.lockClashingRows(db, r, unique) // upsert.go
 	}
 	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.Bind, kr)
 	if err != nil {
@@ -578,6 +574,7 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		}
 	}
 	out := make([]written, len(r.rows))
+	wrote := map[string]returnedRow{} // by key, the rows an upsert wrote so far
 	for i, row := range r.rows {
 		m := fresh[i]
 		if bases[i].IsValid() {
@@ -586,10 +583,12 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 			r.fill(ctx, m, row)
 		}
 		out[i] = written{model: m, op: op}
-		if op == OpCreate && r.upsert && r.updated(ctx, fresh[i], row) {
-			out[i].op = OpUpdate
-			if r.unchanged {
-				out[i].model = reflect.Value{}
+		if op == OpCreate && r.upsert {
+			if updated, prev := r.updated(ctx, fresh[i], row, wrote); updated {
+				out[i].op = OpUpdate
+				if r.unchanged || (r.noops && prev != nil && sameValues(*prev, row)) {
+					out[i].model = reflect.Value{}
+				}
 			}
 		}
 	}
@@ -610,18 +609,30 @@ func (r *returned) fill(ctx context.Context, m reflect.Value, row returnedRow) {
 }
 
 // updated reports whether an upsert updated the row rather than inserted
-// it.
-func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow) bool {
+// it, and the row as it was before, where known. Where the plugin read
+// the existing keys first, a row whose key an earlier row of the same
+// statement wrote was updated too (a statement that names one key twice
+// inserts it, then updates it); written holds those rows by key.
+func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow, written map[string]returnedRow) (bool, *returnedRow) {
 	if r.keys != nil {
-		return r.existing[keyText(ctx, r.keys, fresh)]
+		k := keyText(ctx, r.keys, fresh)
+		prev, again := written[k]
+		written[k] = row
+		if again {
+			return true, &prev
+		}
+		if old, ok := r.before[k]; ok {
+			return true, &old
+		}
+		return r.existing[k], nil
 	}
 	switch v := (*row.inserted.(*any)).(type) {
 	case bool:
-		return !v
+		return !v, nil
 	case int64:
-		return v == 0
+		return v == 0, nil
 	}
-	return false
+	return false, nil
 }
 
 // keyOf returns a text key of m's values of fields, and whether there are

@@ -243,9 +243,10 @@ type KeyReads struct {
 	PrimaryKey bool
 	// UniqueKeys, where set, returns the unique keys of a table, by name,
 	// each as its sorted lower-case column names: the upsert fires on a
-	// clash with any of them (MySQL), so the plugin refuses one whose
-	// table has a unique key besides its conflict key. Nil where an
-	// upsert fires only on the key it names.
+	// clash with any of them (MySQL), so the plugin reads, locked, the
+	// rows that clash with the statement's on any of them, and tells the
+	// rows the upsert returns apart by primary key. Nil where an upsert
+	// fires only on the key it names.
 	UniqueKeys func(ctx context.Context, conn gorm.ConnPool, table string) (map[string][]string, error)
 }
 

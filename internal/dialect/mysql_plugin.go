@@ -34,14 +34,14 @@ func (d mysqlDialect) ReturnsRows(update bool) bool { return d.mariadb && !updat
 // its update, so the plugin reads the existing keys first (KeyReads).
 func (mysqlDialect) InsertedColumn() string { return "" }
 
-// KeyReads: the plugin reads the keys inside the statement's
-// transaction, locking the rows it finds (FOR UPDATE, which also locks the
-// gaps where absent keys would go), so that they stay as read until the
-// upsert runs. ON DUPLICATE KEY UPDATE names no columns, so the primary
-// key stands for them; and since it fires on a clash with any unique key
-// of the table, the plugin asks the server for the table's unique keys
-// (every one, whether GORM knows of it or not) and refuses the upsert,
-// before anything is written, if there is one besides the conflict key.
+// KeyReads: ON DUPLICATE KEY UPDATE fires on a clash with any unique key
+// of the table, so the plugin asks the server for the table's unique keys
+// (every one, whether GORM knows of it or not) and reads, inside the
+// statement's transaction, the rows that clash with the statement's rows
+// on any of them, locking them (FOR UPDATE, which under REPEATABLE READ
+// also locks the gaps where absent keys would go), so that they stay as
+// read until the upsert runs. The rows the upsert returns are then told
+// apart by primary key (outbox's upsert.go).
 func (mysqlDialect) KeyReads() KeyReads {
 	return KeyReads{Lock: " FOR UPDATE", RowList: true, PrimaryKey: true, UniqueKeys: mysqlUniqueKeys}
 }
