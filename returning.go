@@ -205,14 +205,47 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 // transaction changes which rows those are), then runs the statement, and
 // reads the rows as stored: after an update, by primary key; for a delete,
 // the rows as they were, read with the lock. kind is what the SQL does
-// (a soft delete is an update).
+// (a soft delete is an update). A statement with a LIMIT, or one that
+// sets the primary key, takes more (lockread.go).
 func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 	stmt := db.Statement
 	pk := stmt.Schema.PrimaryFields[0]
+	query, vars := stmt.SQL.String(), stmt.Vars
+	refuse := func(why string) error {
+		return fmt.Errorf("%w: %s of %s on %s: %s; run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, kind, stmt.Schema.Name, db.Dialector.Name(), why)
+	}
+	b, cut := cutStatement(stmt)
+	if b.limited && !cut {
+		return refuse("it has a LIMIT, and the plugin cannot restrict it to the rows it locked")
+	}
+	var newKey any
+	movesKey := false
+	if cut && kind == OpUpdate {
+		var err error
+		if newKey, movesKey, err = b.newKey(stmt); err != nil {
+			return refuse(err.Error())
+		}
+	}
 	if err := readRows(db, r, nil); err != nil {
 		return err
 	}
-	res, err := stmt.ConnPool.ExecContext(stmt.Context, stmt.SQL.String(), stmt.Vars...)
+	if movesKey && len(r.rows) > 1 {
+		return refuse(fmt.Sprintf("it sets the primary key of %d rows to one value", len(r.rows)))
+	}
+	idx := slices.Index(r.cols, pk)
+	ids := make([]any, len(r.rows))
+	for i, row := range r.rows {
+		ids[i] = row.values[idx]
+	}
+	if b.limited {
+		if len(ids) == 0 {
+			db.RowsAffected = 0
+			return nil
+		}
+		query, vars = b.onKeys(stmt, ids)
+	}
+	res, err := stmt.ConnPool.ExecContext(stmt.Context, query, vars...)
 	if err != nil {
 		return err
 	}
@@ -225,17 +258,23 @@ func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 	if kind == OpDelete || len(r.rows) == 0 {
 		return nil
 	}
-	idx := slices.Index(r.cols, pk)
-	ids := make([]any, len(r.rows))
-	for i, row := range r.rows {
-		ids[i] = row.values[idx]
+	if movesKey {
+		ids = []any{newKey}
 	}
+	locked := len(r.rows)
 	r.rows = nil
-	return readRows(db, r, clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids})
+	if err := readRows(db, r, clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids}); err != nil {
+		return err
+	}
+	if len(r.rows) != locked {
+		return fmt.Errorf("outbox: update of %s: %d of the %d rows it updated are not found by their primary key after it ran", stmt.Schema.Name, locked-len(r.rows), locked)
+	}
+	return nil
 }
 
 // readRows reads, locked, the rows of the statement's table that where
-// matches (the statement's own WHERE when where is nil) into r.
+// matches (the statement's own WHERE, ORDER BY and LIMIT when where is
+// nil) into r.
 func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 	stmt := db.Statement
 	sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
@@ -247,11 +286,15 @@ func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 	sel.AddClause(clause.From{})
 	if where != nil {
 		sel.AddClause(clause.Where{Exprs: []clause.Expression{where}})
-	} else if w, ok := stmt.Clauses["WHERE"]; ok {
-		sel.Clauses["WHERE"] = w
+	} else {
+		for _, name := range []string{"WHERE", "ORDER BY", "LIMIT"} {
+			if c, ok := stmt.Clauses[name]; ok {
+				sel.Clauses[name] = c
+			}
+		}
 	}
 	sel.AddClause(clause.Locking{Strength: clause.LockingStrengthUpdate})
-	sel.Build("SELECT", "FROM", "WHERE", "FOR")
+	sel.Build("SELECT", "FROM", "WHERE", "ORDER BY", "LIMIT", "FOR")
 	rows, err := stmt.ConnPool.QueryContext(stmt.Context, sel.SQL.String(), sel.Vars...)
 	if err != nil {
 		return err
