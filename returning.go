@@ -122,13 +122,18 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 		if (kind == OpUpdate || kind == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
 			return r, p.lockAndRead(db, r, kind)
 		}
-		if _, upsert := upsertClause(stmt); kind == OpCreate && !upsert {
+		_, upsert := upsertClause(stmt)
+		if kind == OpCreate && !upsert {
 			if keys, ok := insertKeys(stmt); ok {
 				return r, p.insertAndRead(db, r, keys)
 			}
 		}
-		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
-			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
+		instead := ""
+		if upsert {
+			instead = " (GORM saves a parent's children as an upsert: Create the parent with Omit(clause.Associations) and the children in a second Create)"
+		}
+		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; write it otherwise%s, or run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name(), instead)
 	}
 	var extra strings.Builder
 	for i, f := range r.cols {
