@@ -41,7 +41,9 @@ type builtStatement struct {
 func cutStatement(stmt *gorm.Statement) (builtStatement, bool) {
 	var b builtStatement
 	if c, ok := stmt.Clauses["LIMIT"]; ok {
-		if l, ok := c.Expression.(clause.Limit); ok && (l.Limit != nil || l.Offset > 0) {
+		// An UPDATE or DELETE takes no OFFSET: one that has one runs as
+		// GORM built it, and the server refuses it.
+		if l, ok := c.Expression.(clause.Limit); ok && l.Limit != nil && *l.Limit >= 0 && l.Offset == 0 {
 			b.limited = true
 		}
 	}
