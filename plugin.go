@@ -43,9 +43,10 @@ const pluginName = "outbox"
 // statements, gorm.G[T]) and creates from maps record an event per row
 // written. Dry runs and ToSQL record nothing. A write that fails leaves
 // neither its rows nor its events behind, even when the caller ignores the
-// error and commits its transaction: on SQLite each write in the caller's
-// transaction runs inside a savepoint; on PostgreSQL a failure after the
-// rows were written aborts the transaction.
+// error and commits its transaction: on SQLite and MySQL each write in the
+// caller's transaction runs inside a savepoint of its own, which a write
+// inside it (an association, a hook's write) nests in; on PostgreSQL a
+// failure after the rows were written aborts the transaction.
 //
 // An OutboxPlugin is safe for concurrent use.
 type OutboxPlugin struct {
