@@ -67,10 +67,24 @@ func (h *Herald) AfterCreate(tx *gorm.DB) error {
 	return outbox.Publish(tx, outbox.Event{Type: "herald.announced", AggregateType: "herald", AggregateID: strconv.Itoa(int(h.ID)), Payload: map[string]string{"Name": h.Name}})
 }
 
+// Member refers to members of its own table both ways: saving one saves
+// its mentor first and its mentees after it, each inside its save.
+type Member struct {
+	ID       uint
+	Name     string
+	MentorID *uint
+	Mentor   *Member
+	Mentees  []Member `gorm:"foreignKey:MentorID"`
+}
+
+func (m *Member) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("member", op, m.ID, map[string]any{"ID": m.ID, "Name": m.Name, "MentorID": m.MentorID}), nil
+}
+
 func setupNested(t *testing.T, e outboxtest.Engine, cfg *gorm.Config) bundle {
 	t.Helper()
 	b := setup(t, e, cfg)
-	mustNil(t, b.db.AutoMigrate(&Keeper{}, &Pet{}, &Toy{}, &Herald{}))
+	mustNil(t, b.db.AutoMigrate(&Keeper{}, &Pet{}, &Toy{}, &Herald{}, &Member{}))
 	return b
 }
 
@@ -109,6 +123,13 @@ func TestWritesNestedInACallersTransactionRecordEveryRow(t *testing.T) {
 		}, []string{
 			`herald.announced herald/1#1 {"Name":"h"}`,
 			`herald.create herald/1#2 {"ID":1,"Name":"h"}`,
+		}},
+		{"SelfReferencingAssociations", func(tx *gorm.DB) error {
+			return tx.Create(&Member{Name: "m", Mentor: &Member{Name: "boss"}, Mentees: []Member{{Name: "kid"}}}).Error
+		}, []string{
+			`member.create member/1#1 {"ID":1,"MentorID":null,"Name":"boss"}`,
+			`member.create member/3#1 {"ID":3,"MentorID":2,"Name":"kid"}`,
+			`member.create member/2#1 {"ID":2,"MentorID":1,"Name":"m"}`,
 		}},
 		{"NestedTransactionsOfTheCaller", func(tx *gorm.DB) error {
 			return tx.Transaction(func(tx *gorm.DB) error {
