@@ -75,6 +75,9 @@ func (p *OutboxPlugin) lockClashingRows(db *gorm.DB, r *returned, unique map[str
 		idx := make([]int, len(k.cols))
 		omitted := false
 		for j, col := range k.cols {
+			if strings.Contains(col, "(") {
+				return refuse(fmt.Sprintf("its unique key %s indexes %s, which the plugin cannot compare", name, col))
+			}
 			i, ok := at[col]
 			if !ok {
 				if f := stmt.Schema.LookUpField(col); f != nil && f.PrimaryKey && f.AutoIncrement {

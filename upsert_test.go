@@ -209,20 +209,34 @@ func assertLastEventsMatchLabels(t *testing.T, b bundle) {
 
 // TestMySQLUpsertItCannotIdentifyIsRefusedBeforeWriting: an upsert that
 // assigns the primary key changes the key by which the plugin tells the
-// rows apart; it is refused, saying how to write it otherwise, and
-// nothing is written.
+// rows apart, and a unique key on a prefix of a column clashes where the
+// values differ; each is refused, saying why and how to write it
+// otherwise, and nothing is written.
 func TestMySQLUpsertItCannotIdentifyIsRefusedBeforeWriting(t *testing.T) {
-	b := setupUpserts(t, outboxtest.MySQL)
-	mustNil(t, b.db.Create(&Label{Code: "x", Name: "old"}).Error)
-	err := b.db.Clauses(clause.OnConflict{DoUpdates: clause.AssignmentColumns([]string{"id", "name"})}).
-		Create(&[]Label{{ID: 7, Code: "x", Name: "new"}, {ID: 8, Code: "z", Name: "zed"}}).Error
-	if !errors.Is(err, outbox.ErrUnidentifiedRows) || !strings.Contains(err.Error(), "primary key") || !strings.Contains(err.Error(), "Omit(clause.Associations)") {
-		t.Fatalf("err = %v, want ErrUnidentifiedRows naming the primary key and saying how to write it otherwise", err)
-	}
-	var labels []Label
-	mustNil(t, b.db.Order("id").Find(&labels).Error)
-	if len(labels) != 1 || labels[0].Name != "old" || len(b.records(t)) != 1 {
-		t.Fatalf("the refused upsert wrote: labels %+v, %d outbox rows", labels, len(b.records(t)))
+	for _, c := range []struct {
+		name, ddl, says string
+		upsert          clause.OnConflict
+	}{
+		{"AssignsThePrimaryKey", "", "primary key", clause.OnConflict{DoUpdates: clause.AssignmentColumns([]string{"id", "name"})}},
+		{"UniqueKeyOnAPrefix", "CREATE UNIQUE INDEX labels_name_prefix ON labels (name(4))", "name(4)", upsertOnCode},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setupUpserts(t, outboxtest.MySQL)
+			if c.ddl != "" {
+				mustNil(t, b.db.Exec(c.ddl).Error)
+			}
+			mustNil(t, b.db.Create(&Label{Code: "x", Name: "old"}).Error)
+			err := b.db.Clauses(c.upsert).Create(&[]Label{{ID: 7, Code: "x", Name: "new"}, {ID: 8, Code: "z", Name: "zed"}}).Error
+			if !errors.Is(err, outbox.ErrUnidentifiedRows) || !strings.Contains(err.Error(), c.says) || !strings.Contains(err.Error(), "Omit(clause.Associations)") {
+				t.Fatalf("err = %v, want ErrUnidentifiedRows naming %s and saying how to write it otherwise", err, c.says)
+			}
+			var labels []Label
+			mustNil(t, b.db.Order("id").Find(&labels).Error)
+			if len(labels) != 1 || labels[0].Name != "old" || len(b.records(t)) != 1 {
+				t.Fatalf("the refused upsert wrote: labels %+v, %d outbox rows", labels, len(b.records(t)))
+			}
+		})
 	}
 }
 

@@ -2,6 +2,7 @@ package dialect
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"slices"
 	"strings"
@@ -47,9 +48,11 @@ func (mysqlDialect) KeyReads() KeyReads {
 }
 
 // mysqlUniqueKeys returns the unique keys of table, by name, each as its
-// sorted lower-case column names.
+// sorted lower-case column names. A part that indexes a prefix of its
+// column is named with the prefix's length, col(10), and one that indexes
+// an expression (MySQL 8) is named "(expression)": neither is a column.
 func mysqlUniqueKeys(ctx context.Context, conn gorm.ConnPool, table string) (map[string][]string, error) {
-	rows, err := conn.QueryContext(ctx, `SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
+	rows, err := conn.QueryContext(ctx, `SELECT INDEX_NAME, COLUMN_NAME, SUB_PART FROM information_schema.STATISTICS
 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND NON_UNIQUE = 0`, table)
 	if err != nil {
 		return nil, fmt.Errorf("read the unique keys of %s: %w", table, err)
@@ -57,11 +60,20 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND NON_UNIQUE = 0`, table)
 	defer rows.Close()
 	keys := map[string][]string{}
 	for rows.Next() {
-		var name, col string
-		if err := rows.Scan(&name, &col); err != nil {
+		var name string
+		var col sql.NullString
+		var prefix sql.NullInt64
+		if err := rows.Scan(&name, &col, &prefix); err != nil {
 			return nil, err
 		}
-		keys[name] = append(keys[name], strings.ToLower(col))
+		part := strings.ToLower(col.String)
+		switch {
+		case !col.Valid:
+			part = "(expression)"
+		case prefix.Valid:
+			part = fmt.Sprintf("%s(%d)", part, prefix.Int64)
+		}
+		keys[name] = append(keys[name], part)
 	}
 	for _, cols := range keys {
 		slices.Sort(cols)
