@@ -19,13 +19,19 @@ var (
 	// today, an upsert that may update (clause.OnConflict with DoUpdates
 	// or UpdateAll) on SQLite, whose RETURNING does not tell an update
 	// from an insert, when it does not name its conflict columns
-	// (clause.OnConflict{Columns: ...}) or its rows are maps; any write of
-	// a kind the engine cannot return rows from; and gorm.G's update of a
-	// many-to-many association's rows, which GORM runs without a model,
-	// when the plugin cannot tell which emitting model has their table. It
-	// is returned before the statement runs. Name the conflict columns,
-	// write the rows one by one, or, when no event is wanted, run the
-	// statement through [WithoutEvents] (and [Publish] what is needed).
+	// (clause.OnConflict{Columns: ...}) or its rows are maps; on MySQL
+	// and MariaDB, an update that sets the primary key to an SQL
+	// expression, and an upsert whose rows its primary key cannot tell
+	// apart (the model has none, the upsert assigns it, or a unique key's
+	// column takes a default or an expression); any write of a kind the
+	// engine cannot return rows from (upserts on MySQL 8); and gorm.G's
+	// update of a many-to-many association's rows, which GORM runs
+	// without a model, when the plugin cannot tell which emitting model
+	// has their table. It is returned before the statement runs. Name the
+	// conflict columns, write the rows one by one (a parent with
+	// Omit(clause.Associations), then its children in a Create of their
+	// own), or, when no event is wanted, run the statement through
+	// [WithoutEvents] (and [Publish] what is needed).
 	ErrUnidentifiedRows = errors.New("outbox: cannot tell which rows the write changes")
 
 	// ErrPluginNotRegistered is returned by [Publish] when the *gorm.DB has no

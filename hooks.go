@@ -1,8 +1,10 @@
 package outbox
 
 import (
+	"context"
 	"fmt"
 	"reflect"
+	"strconv"
 	"time"
 
 	"gorm.io/gorm"
@@ -76,7 +78,7 @@ func (p *OutboxPlugin) registerCallbacks(db *gorm.DB) error {
 type writeState struct {
 	own       bool      // the statement's own transaction: GORM's default one, or opened
 	opened    bool      // outbox:before_* opened it (SkipDefaultTransaction)
-	savepoint bool      // outbox:before_* set a savepoint in the caller's transaction
+	savepoint savepoint // the one outbox:before_* set in the caller's transaction, if any
 	tx        *txWrites // the transaction whose commit wakes the dispatchers; nil in the caller's
 
 	replaced gorm.ConnPool // the statement's connection before outbox:before_* opened one
@@ -145,7 +147,37 @@ func (p *OutboxPlugin) committedCallback(db *gorm.DB) {
 	}
 }
 
-const savepointName = "outbox_write"
+// savepoint names a savepoint that the plugin set in the caller's
+// transaction ("" for none). Each has a name of its own (outbox_write_1,
+// outbox_write_2, ...): MySQL and MariaDB replace an earlier savepoint of
+// the same name where SQLite stacks them, so with one name a write inside
+// another (an association, a hook's write or Publish) would take the
+// outer write's savepoint with it, and the outer one could neither roll
+// back nor release.
+type savepoint string
+
+// setSavepoint sets a savepoint of a new name through conn.
+func (p *OutboxPlugin) setSavepoint(ctx context.Context, conn gorm.ConnPool) (savepoint, error) {
+	sp := savepoint("outbox_write_" + strconv.FormatUint(p.savepoints.Add(1), 10))
+	if _, err := conn.ExecContext(ctx, "SAVEPOINT "+string(sp)); err != nil {
+		return "", fmt.Errorf("outbox: savepoint: %w", err)
+	}
+	return sp, nil
+}
+
+// rollback undoes everything since the savepoint was set, and keeps it.
+func (sp savepoint) rollback(ctx context.Context, conn gorm.ConnPool) error {
+	_, err := conn.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+string(sp))
+	return err
+}
+
+// release forgets the savepoint, keeping what was written since.
+func (sp savepoint) release(ctx context.Context, conn gorm.ConnPool) error {
+	if _, err := conn.ExecContext(ctx, "RELEASE SAVEPOINT "+string(sp)); err != nil {
+		return fmt.Errorf("outbox: release savepoint: %w", err)
+	}
+	return nil
+}
 
 func (p *OutboxPlugin) before(db *gorm.DB) {
 	setState(db, nil)
@@ -177,11 +209,12 @@ func (p *OutboxPlugin) before(db *gorm.DB) {
 		}
 		st.tx = txWritesOf(db, p)
 		if d, err := dialect.For(db); err == nil && !d.ErrorAbortsTx() && !db.DryRun {
-			if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "SAVEPOINT "+savepointName); err != nil {
-				_ = db.AddError(fmt.Errorf("outbox: savepoint: %w", err))
+			sp, err := p.setSavepoint(stmt.Context, plainConn(stmt.ConnPool))
+			if err != nil {
+				_ = db.AddError(err)
 				return
 			}
-			st.savepoint = true
+			st.savepoint = sp
 		}
 		return
 	}
@@ -247,13 +280,18 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 	if st.config != nil { // GORM's write never reached outbox:returned_*
 		db.Config, st.config = st.config, nil
 	}
-	if st.savepoint {
-		st.savepoint = false
+	if sp := st.savepoint; sp != "" {
+		st.savepoint = ""
+		conn := plainConn(stmt.ConnPool)
 		if !completed || db.Error != nil {
-			_, _ = plainConn(stmt.ConnPool).ExecContext(stmt.Context, "ROLLBACK TO SAVEPOINT "+savepointName) // the statement's error is the one to report
+			// The statement's error is the one to report; one of the
+			// rollback is added to it, not in its place.
+			if err := sp.rollback(stmt.Context, conn); err != nil && db.Error != nil {
+				db.Error = fmt.Errorf("%w (and the rollback to savepoint %s failed: %v)", db.Error, sp, err)
+			}
 		}
-		if _, err := plainConn(stmt.ConnPool).ExecContext(stmt.Context, "RELEASE SAVEPOINT "+savepointName); err != nil && completed {
-			_ = db.AddError(fmt.Errorf("outbox: release savepoint: %w", err))
+		if err := sp.release(stmt.Context, conn); err != nil && completed {
+			_ = db.AddError(err)
 		}
 		return
 	}
@@ -382,16 +420,19 @@ func encodeAll(events []Event, maxPayload int) ([]dialect.Record, error) {
 func (p *OutboxPlugin) store(db *gorm.DB, d dialect.Dialect, encoded []dialect.Record, notify, guard bool) (notified bool, err error) {
 	ctx, conn := db.Statement.Context, plainConn(db.Statement.ConnPool)
 	if guard && !d.ErrorAbortsTx() {
-		if _, err := conn.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
-			return false, fmt.Errorf("outbox: savepoint: %w", err)
+		sp, serr := p.setSavepoint(ctx, conn)
+		if serr != nil {
+			return false, serr
 		}
-		defer func() {
+		defer func() { // on the named results
 			if err != nil {
 				notified = false
-				_, _ = conn.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+savepointName) // err is the one to report
+				if rerr := sp.rollback(ctx, conn); rerr != nil {
+					err = fmt.Errorf("%w (and the rollback to savepoint %s failed: %v)", err, sp, rerr)
+				}
 			}
-			if _, rerr := conn.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); rerr != nil && err == nil {
-				err = fmt.Errorf("outbox: release savepoint: %w", rerr)
+			if rerr := sp.release(ctx, conn); rerr != nil && err == nil {
+				err = rerr
 			}
 		}()
 	}

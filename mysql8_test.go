@@ -132,3 +132,21 @@ func TestMySQL8DeletesReadTheirRowsFirst(t *testing.T) {
 		t.Fatalf("events %v, want [%s]", got, want)
 	}
 }
+
+func TestMySQL8LimitedDeleteRecordsTheRowsItDeleted(t *testing.T) {
+	b := setupMySQL8(t)
+	mustNil(t, b.db.Create(&[]Ticket{{Title: "a"}, {Title: "a"}, {Title: "a"}}).Error)
+	mustNil(t, b.db.Where("title = ?", "a").Order("id desc").Limit(2).Delete(&Ticket{}).Error)
+	want := []string{ // in the statement's order
+		`ticket.delete ticket/3#2 {"ID":3,"Priority":3,"Title":"a"}`,
+		`ticket.delete ticket/2#2 {"ID":2,"Priority":3,"Title":"a"}`,
+	}
+	if got := styleEvents(t, b, 3); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+	var left []uint
+	mustNil(t, b.db.Model(&Ticket{}).Pluck("id", &left).Error)
+	if fmt.Sprint(left) != "[1]" {
+		t.Fatalf("tickets left %v, want [1]", left)
+	}
+}

@@ -48,9 +48,10 @@ const pluginName = "outbox"
 // a model, and rows the database changes by itself (ON DELETE CASCADE,
 // triggers). A write that fails leaves
 // neither its rows nor its events behind, even when the caller ignores the
-// error and commits its transaction: on SQLite each write in the caller's
-// transaction runs inside a savepoint; on PostgreSQL a failure after the
-// rows were written aborts the transaction.
+// error and commits its transaction: on SQLite and MySQL each write in the
+// caller's transaction runs inside a savepoint of its own, which a write
+// inside it (an association, a hook's write) nests in; on PostgreSQL a
+// failure after the rows were written aborts the transaction.
 //
 // An OutboxPlugin is safe for concurrent use.
 type OutboxPlugin struct {
@@ -67,7 +68,8 @@ type OutboxPlugin struct {
 	wakers    map[*func()]struct{}
 	notifiers map[*sql.DB]*notifier
 
-	ownInFlight atomic.Int64 // transactions whose commit the plugin sees, counted in flight (see wake.go)
+	ownInFlight atomic.Int64  // transactions whose commit the plugin sees, counted in flight (see wake.go)
+	savepoints  atomic.Uint64 // savepoints set, which numbers their names (see savepoint)
 }
 
 // Option configures a [Plugin].

@@ -52,7 +52,13 @@ type returned struct {
 	// otherwise.
 	existing map[string]bool
 	keys     []*schema.Field // the fields of those keys
-	upsert   bool            // the statement was an upsert that may update
+	// before holds the rows an upsert may update, as they were before it
+	// ran, by keyText of keys, where the engine returns the rows an
+	// upsert left as they were (MySQL: lockClashingRows); noops is then
+	// true, and such a row records nothing.
+	before map[string]returnedRow
+	noops  bool
+	upsert bool // the statement was an upsert that may update
 	// unchanged: the upsert's assignments set every column to itself (how
 	// GORM writes DoNothing on MySQL), so a row it did not insert is
 	// one it left as it was, and records nothing.
@@ -119,13 +125,18 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 		if (kind == OpUpdate || kind == OpDelete) && len(stmt.Schema.PrimaryFields) == 1 {
 			return r, p.lockAndRead(db, r, kind)
 		}
-		if _, upsert := upsertClause(stmt); kind == OpCreate && !upsert {
+		_, upsert := upsertClause(stmt)
+		if kind == OpCreate && !upsert {
 			if keys, ok := insertKeys(stmt); ok {
 				return r, p.insertAndRead(db, r, keys)
 			}
 		}
-		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; run it through outbox.WithoutEvents and record events with outbox.Publish",
-			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name())
+		instead := ""
+		if upsert {
+			instead = " (GORM saves a parent's children as an upsert: Create the parent with Omit(clause.Associations) and the children in a second Create)"
+		}
+		return nil, fmt.Errorf("%w: %s of %s on %s: the engine cannot return the rows the statement writes; write it otherwise%s, or run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, op, stmt.Schema.Name, db.Dialector.Name(), instead)
 	}
 	var extra strings.Builder
 	for i, f := range r.cols {
@@ -202,14 +213,47 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 // transaction changes which rows those are), then runs the statement, and
 // reads the rows as stored: after an update, by primary key; for a delete,
 // the rows as they were, read with the lock. kind is what the SQL does
-// (a soft delete is an update).
+// (a soft delete is an update). A statement with a LIMIT, or one that
+// sets the primary key, takes more (lockread.go).
 func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 	stmt := db.Statement
 	pk := stmt.Schema.PrimaryFields[0]
+	query, vars := stmt.SQL.String(), stmt.Vars
+	refuse := func(why string) error {
+		return fmt.Errorf("%w: %s of %s on %s: %s; run it through outbox.WithoutEvents and record events with outbox.Publish",
+			ErrUnidentifiedRows, kind, stmt.Schema.Name, db.Dialector.Name(), why)
+	}
+	b, cut := cutStatement(stmt)
+	if b.limited && !cut {
+		return refuse("it has a LIMIT, and the plugin cannot restrict it to the rows it locked")
+	}
+	var newKey any
+	movesKey := false
+	if cut && kind == OpUpdate {
+		var err error
+		if newKey, movesKey, err = b.newKey(stmt); err != nil {
+			return refuse(err.Error())
+		}
+	}
 	if err := readRows(db, r, nil); err != nil {
 		return err
 	}
-	res, err := stmt.ConnPool.ExecContext(stmt.Context, stmt.SQL.String(), stmt.Vars...)
+	if movesKey && len(r.rows) > 1 {
+		return refuse(fmt.Sprintf("it sets the primary key of %d rows to one value", len(r.rows)))
+	}
+	idx := slices.Index(r.cols, pk)
+	ids := make([]any, len(r.rows))
+	for i, row := range r.rows {
+		ids[i] = row.values[idx]
+	}
+	if b.limited {
+		if len(ids) == 0 {
+			db.RowsAffected = 0
+			return nil
+		}
+		query, vars = b.onKeys(stmt, ids)
+	}
+	res, err := stmt.ConnPool.ExecContext(stmt.Context, query, vars...)
 	if err != nil {
 		return err
 	}
@@ -222,17 +266,23 @@ func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 	if kind == OpDelete || len(r.rows) == 0 {
 		return nil
 	}
-	idx := slices.Index(r.cols, pk)
-	ids := make([]any, len(r.rows))
-	for i, row := range r.rows {
-		ids[i] = row.values[idx]
+	if movesKey {
+		ids = []any{newKey}
 	}
+	locked := len(r.rows)
 	r.rows = nil
-	return readRows(db, r, clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids})
+	if err := readRows(db, r, clause.IN{Column: clause.Column{Table: stmt.Table, Name: pk.DBName}, Values: ids}); err != nil {
+		return err
+	}
+	if len(r.rows) != locked {
+		return fmt.Errorf("outbox: update of %s: %d of the %d rows it updated are not found by their primary key after it ran", stmt.Schema.Name, locked-len(r.rows), locked)
+	}
+	return nil
 }
 
 // readRows reads, locked, the rows of the statement's table that where
-// matches (the statement's own WHERE when where is nil) into r.
+// matches (the statement's own WHERE, ORDER BY and LIMIT when where is
+// nil) into r.
 func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 	stmt := db.Statement
 	sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
@@ -244,11 +294,15 @@ func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 	sel.AddClause(clause.From{})
 	if where != nil {
 		sel.AddClause(clause.Where{Exprs: []clause.Expression{where}})
-	} else if w, ok := stmt.Clauses["WHERE"]; ok {
-		sel.Clauses["WHERE"] = w
+	} else {
+		for _, name := range []string{"WHERE", "ORDER BY", "LIMIT"} {
+			if c, ok := stmt.Clauses[name]; ok {
+				sel.Clauses[name] = c
+			}
+		}
 	}
 	sel.AddClause(clause.Locking{Strength: clause.LockingStrengthUpdate})
-	sel.Build("SELECT", "FROM", "WHERE", "FOR")
+	sel.Build("SELECT", "FROM", "WHERE", "ORDER BY", "LIMIT", "FOR")
 	rows, err := stmt.ConnPool.QueryContext(stmt.Context, sel.SQL.String(), sel.Vars...)
 	if err != nil {
 		return err
@@ -432,17 +486,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned
 		if err != nil {
 			return fmt.Errorf("outbox: upsert of %s: %w", stmt.Schema.Name, err)
 		}
-		want := make([]string, len(r.keys))
-		for i, f := range r.keys {
-			want[i] = strings.ToLower(f.DBName)
-		}
-		slices.Sort(want)
-		for name, cols := range unique {
-			if !slices.Equal(cols, want) {
-				return fmt.Errorf("%w: upsert of %s on %s: the table's unique key %s (%s) is not the conflict key (%s), and the upsert fires on either, even for one row; run the statement through outbox.WithoutEvents and record events with outbox.Publish",
-					ErrUnidentifiedRows, stmt.Schema.Name, db.Dialector.Name(), name, strings.Join(cols, ", "), strings.Join(want, ", "))
-			}
-		}
+		return p.lockClashingRows(db, r, unique) // upsert.go
 	}
 	existing, err := readExistingKeys(stmt.Context, conn, stmt, r.keys, models, d.Bind, kr)
 	if err != nil {
@@ -581,6 +625,7 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		}
 	}
 	out := make([]written, len(r.rows))
+	wrote := map[string]returnedRow{} // by key, the rows an upsert wrote so far
 	for i, row := range r.rows {
 		m := fresh[i]
 		if bases[i].IsValid() {
@@ -589,10 +634,12 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 			r.fill(ctx, m, row)
 		}
 		out[i] = written{model: m, op: op}
-		if op == OpCreate && r.upsert && r.updated(ctx, fresh[i], row) {
-			out[i].op = OpUpdate
-			if r.unchanged {
-				out[i].model = reflect.Value{}
+		if op == OpCreate && r.upsert {
+			if updated, prev := r.updated(ctx, fresh[i], row, wrote); updated {
+				out[i].op = OpUpdate
+				if r.unchanged || (r.noops && prev != nil && sameValues(*prev, row)) {
+					out[i].model = reflect.Value{}
+				}
 			}
 		}
 	}
@@ -618,18 +665,30 @@ func (r *returned) fill(ctx context.Context, m reflect.Value, row returnedRow) {
 }
 
 // updated reports whether an upsert updated the row rather than inserted
-// it.
-func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow) bool {
+// it, and the row as it was before, where known. Where the plugin read
+// the existing keys first, a row whose key an earlier row of the same
+// statement wrote was updated too (a statement that names one key twice
+// inserts it, then updates it); written holds those rows by key.
+func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow, written map[string]returnedRow) (bool, *returnedRow) {
 	if r.keys != nil {
-		return r.existing[keyText(ctx, r.keys, fresh)]
+		k := keyText(ctx, r.keys, fresh)
+		prev, again := written[k]
+		written[k] = row
+		if again {
+			return true, &prev
+		}
+		if old, ok := r.before[k]; ok {
+			return true, &old
+		}
+		return r.existing[k], nil
 	}
 	switch v := (*row.inserted.(*any)).(type) {
 	case bool:
-		return !v
+		return !v, nil
 	case int64:
-		return v == 0
+		return v == 0, nil
 	}
-	return false
+	return false, nil
 }
 
 // keyOf returns a text key of m's values of fields, and whether there are

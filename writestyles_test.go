@@ -3,7 +3,6 @@ package outbox_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -236,17 +235,7 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 		{"OnConflictDoNothingHitWithoutKey", func(t *testing.T, db *gorm.DB) {
 			mustNil(t, db.Exec(`CREATE UNIQUE INDEX orders_status ON orders (status)`).Error)
 			o := Order{Status: "new", Total: 9}
-			err := db.Clauses(clause.OnConflict{DoNothing: true}).Create(&o).Error
-			if db.Dialector.Name() == "mysql" {
-				// ON DUPLICATE KEY fires on any unique key, and this table
-				// has two: the plugin cannot tell which rows the upsert
-				// inserts, so it refuses before writing anything.
-				if !errors.Is(err, outbox.ErrUnidentifiedRows) {
-					t.Fatalf("upsert on a table with two unique keys: %v, want ErrUnidentifiedRows", err)
-				}
-				return
-			}
-			mustNil(t, err)
+			mustNil(t, db.Clauses(clause.OnConflict{DoNothing: true}).Create(&o).Error)
 		}, nil},
 		{"OnConflictDoNothingMiss", func(t *testing.T, db *gorm.DB) {
 			mustNil(t, db.Clauses(clause.OnConflict{DoNothing: true}).Create(&[]Order{{ID: 1, Status: "dup"}, {ID: 5, Status: "five"}}).Error)
@@ -332,7 +321,8 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 		}, []string{
 			// The buyer is upserted with ON CONFLICT DO NOTHING: not
 			// written. The lines are upserted with ON CONFLICT DO UPDATE
-			// SET bill_id: written, so reported as updated.
+			// SET bill_id: written, so reported as updated (but on MySQL:
+			// see onMySQL).
 			`line.update line/1#1 {"BillID":1,"ID":1,"Sku":"x"}`,
 			`bill.update bill/1#1 {"BuyerID":1,"ID":1,"Number":"i2"}`,
 		}},
@@ -389,6 +379,12 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 			`bill.delete bill/1#1 {"BuyerID":1,"ID":1,"Number":"i1"}`,
 		}},
 	}
+	// What MySQL records where it differs: an upsert whose update leaves a
+	// row as it was writes nothing there (affected rows 0), where
+	// PostgreSQL and SQLite write the row again.
+	onMySQL := map[string][]string{
+		"HasManyAndBelongsToResavedThroughParent": {`bill.update bill/1#1 {"BuyerID":1,"ID":1,"Number":"i2"}`},
+	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -397,9 +393,13 @@ func TestEveryWriteStyleRecordsWhatTheDatabaseDid(t *testing.T) {
 				mustNil(t, b.db.AutoMigrate(&SoftOrder{}, &Doc{}, &Shouty{}, &Buyer{}, &Bill{}, &Line{}, &Person{}, &Profile{}))
 				mustNil(t, b.db.Create(&Order{Status: "new", Total: 1}).Error)
 				c.run(t, b.db)
+				want := c.want
+				if w, ok := onMySQL[c.name]; ok && e == outboxtest.MySQL {
+					want = w
+				}
 				got := styleEvents(t, b, 1)
-				if strings.Join(got, "\n") != strings.Join(c.want, "\n") {
-					t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(c.want, "\n"))
+				if strings.Join(got, "\n") != strings.Join(want, "\n") {
+					t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 				}
 				// The last event of each order tells what the table holds.
 				rows := orderRows(t, b.db)

@@ -242,10 +242,13 @@ type KeyReads struct {
 	// the primary key (MySQL's ON DUPLICATE KEY UPDATE names none).
 	PrimaryKey bool
 	// UniqueKeys, where set, returns the unique keys of a table, by name,
-	// each as its sorted lower-case column names: the upsert fires on a
-	// clash with any of them (MySQL), so the plugin refuses one whose
-	// table has a unique key besides its conflict key. Nil where an
-	// upsert fires only on the key it names.
+	// each as its sorted lower-case column names (a part that is not a
+	// whole column, a prefix or an expression, has a parenthesis in its
+	// name): the upsert fires on a
+	// clash with any of them (MySQL), so the plugin reads, locked, the
+	// rows that clash with the statement's on any of them, and tells the
+	// rows the upsert returns apart by primary key. Nil where an upsert
+	// fires only on the key it names.
 	UniqueKeys func(ctx context.Context, conn gorm.ConnPool, table string) (map[string][]string, error)
 }
 

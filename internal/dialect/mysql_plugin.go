@@ -2,6 +2,7 @@ package dialect
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"reflect"
 	"slices"
@@ -39,22 +40,24 @@ func (d mysqlDialect) ReturnsRows(update bool) bool { return d.mariadb && !updat
 // its update, so the plugin reads the existing keys first (KeyReads).
 func (mysqlDialect) InsertedColumn() string { return "" }
 
-// KeyReads: the plugin reads the keys inside the statement's
-// transaction, locking the rows it finds (FOR UPDATE, which also locks the
-// gaps where absent keys would go), so that they stay as read until the
-// upsert runs. ON DUPLICATE KEY UPDATE names no columns, so the primary
-// key stands for them; and since it fires on a clash with any unique key
-// of the table, the plugin asks the server for the table's unique keys
-// (every one, whether GORM knows of it or not) and refuses the upsert,
-// before anything is written, if there is one besides the conflict key.
+// KeyReads: ON DUPLICATE KEY UPDATE fires on a clash with any unique key
+// of the table, so the plugin asks the server for the table's unique keys
+// (every one, whether GORM knows of it or not) and reads, inside the
+// statement's transaction, the rows that clash with the statement's rows
+// on any of them, locking them (FOR UPDATE, which under REPEATABLE READ
+// also locks the gaps where absent keys would go), so that they stay as
+// read until the upsert runs. The rows the upsert returns are then told
+// apart by primary key (outbox's upsert.go).
 func (mysqlDialect) KeyReads() KeyReads {
 	return KeyReads{Lock: " FOR UPDATE", RowList: true, PrimaryKey: true, UniqueKeys: mysqlUniqueKeys}
 }
 
 // mysqlUniqueKeys returns the unique keys of table, by name, each as its
-// sorted lower-case column names.
+// sorted lower-case column names. A part that indexes a prefix of its
+// column is named with the prefix's length, col(10), and one that indexes
+// an expression (MySQL 8) is named "(expression)": neither is a column.
 func mysqlUniqueKeys(ctx context.Context, conn gorm.ConnPool, table string) (map[string][]string, error) {
-	rows, err := conn.QueryContext(ctx, `SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS
+	rows, err := conn.QueryContext(ctx, `SELECT INDEX_NAME, COLUMN_NAME, SUB_PART FROM information_schema.STATISTICS
 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND NON_UNIQUE = 0`, table)
 	if err != nil {
 		return nil, fmt.Errorf("read the unique keys of %s: %w", table, err)
@@ -62,11 +65,20 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND NON_UNIQUE = 0`, table)
 	defer rows.Close()
 	keys := map[string][]string{}
 	for rows.Next() {
-		var name, col string
-		if err := rows.Scan(&name, &col); err != nil {
+		var name string
+		var col sql.NullString
+		var prefix sql.NullInt64
+		if err := rows.Scan(&name, &col, &prefix); err != nil {
 			return nil, err
 		}
-		keys[name] = append(keys[name], strings.ToLower(col))
+		part := strings.ToLower(col.String)
+		switch {
+		case !col.Valid:
+			part = "(expression)"
+		case prefix.Valid:
+			part = fmt.Sprintf("%s(%d)", part, prefix.Int64)
+		}
+		keys[name] = append(keys[name], part)
 	}
 	for _, cols := range keys {
 		slices.Sort(cols)
