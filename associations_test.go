@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -36,7 +37,9 @@ func (p *Parcel) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
 // TestLoadedAssociationsAreResavedAndRecordedAsTheCallerHoldsThem: a
 // parent saved or updated with its associations loaded has GORM upsert
 // each child again, which sets only the foreign key: each such re-save
-// is recorded as an update of the child, with the values stored. The
+// is recorded as an update of the child, with the values stored (on
+// MySQL, where the server reports a row an upsert left as it was, only a
+// re-save that changed the row: here none does). The
 // parent's own event carries its associations as the caller holds them,
 // which may be values the database never held. Omit(clause.Associations)
 // leaves the children alone.
@@ -91,9 +94,13 @@ func TestLoadedAssociationsAreResavedAndRecordedAsTheCallerHoldsThem(t *testing.
 				loaded.Parcels[0].Kg = 50 // in memory only: GORM's upsert of a child sets its foreign key
 				mustNil(t, c.write(b.db, &loaded))
 
+				want := c.want
+				if e == outboxtest.MySQL {
+					want = slices.DeleteFunc(slices.Clone(want), func(ev string) bool { return strings.HasPrefix(ev, "parcel.update ") })
+				}
 				got := styleEvents(t, b, n)
-				if strings.Join(got, "\n") != strings.Join(c.want, "\n") {
-					t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(c.want, "\n"))
+				if strings.Join(got, "\n") != strings.Join(want, "\n") {
+					t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 				}
 				var stored Parcel
 				mustNil(t, b.db.First(&stored).Error)

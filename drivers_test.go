@@ -111,9 +111,14 @@ func TestSingleEngineProgramsBuildWithoutCgo(t *testing.T) {
 				t.Fatalf("CGO_ENABLED=0 go build %s: %v\n%s", tc.program, err, out)
 			}
 			_, info := outboxtest.Open(t, tc.engine, nil)
-			out, err := exec.Command(bin, info.DSN).CombinedOutput()
+			// Its standard output; the outbox's warnings about the
+			// server's settings go to standard error.
+			var stderr strings.Builder
+			run := exec.Command(bin, info.DSN)
+			run.Stderr = &stderr
+			out, err := run.Output()
 			if err != nil {
-				t.Fatalf("%s: %v\n%s", tc.program, err, out)
+				t.Fatalf("%s: %v\n%s%s", tc.program, err, out, stderr.String())
 			}
 			if got, want := strings.TrimSpace(string(out)), "delivered 1: greeting.sent"; got != want {
 				t.Errorf("%s printed %q, want %q", tc.program, got, want)
