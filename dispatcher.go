@@ -235,8 +235,8 @@ func WithLogger(l *slog.Logger) DispatcherOption {
 // It then reads the schema versions of the outbox table (one query): on a
 // database without the outbox tables, or whose tables lack a version this
 // library needs, it fails with an error wrapping [ErrSchemaNotCurrent]
-// that names [AutoMigrate]; on a database that does not answer, with that
-// error. Call AutoMigrate (or apply [Migrations]) before NewDispatcher.
+// that names [AutoMigrate]; on a database that does not answer within 10
+// seconds, with that error. Call AutoMigrate (or apply [Migrations]) before NewDispatcher.
 // Last, like db.Use of the plugin, it logs one warning for each database
 // setting the documentation says matters that the database runs without
 // (see [OutboxPlugin.Initialize]; here through [WithLogger]), and never
@@ -288,7 +288,9 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if d.publishTimeout >= d.lease {
 		return nil, fmt.Errorf("%w: WithPublishTimeout: %v must be shorter than the lease (%v)", ErrInvalidOption, d.publishTimeout, d.lease)
 	}
-	if err := schemaCurrent(context.Background(), db, dl, d.t); err != nil {
+	ctx, cancel := context.WithTimeout(context.Background(), schemaCheckTimeout)
+	defer cancel()
+	if err := schemaCurrent(ctx, db, dl, d.t); err != nil {
 		return nil, err
 	}
 	warnSettings(context.Background(), db, dl, d.t, d.log)

@@ -17,7 +17,8 @@ import (
 // time fields, so their writes fail; and the dispatcher reads its own
 // timestamps as UTC whatever the DSN's loc, off by loc's offset. It asks
 // the server for one DATETIME and looks at what the driver returns, so
-// that this package imports no driver.
+// that this package imports no driver; a server that does not answer
+// within settingsCheckTimeout fails it with the server's error.
 func checkParseTime(db *gorm.DB, dl dialect.Dialect) error {
 	if dl.Name() != "mysql" {
 		return nil
@@ -26,6 +27,8 @@ func checkParseTime(db *gorm.DB, dl dialect.Dialect) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
+	ctx, cancel := context.WithTimeout(ctx, settingsCheckTimeout)
+	defer cancel()
 	var v any
 	err := db.Statement.ConnPool.QueryRowContext(ctx, `SELECT CAST('2000-01-01 00:00:00' AS DATETIME)`).Scan(&v)
 	if err != nil {

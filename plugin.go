@@ -155,7 +155,9 @@ func (p *OutboxPlugin) Name() string { return pluginName }
 // SQLite, the WAL journal mode and a busy timeout (a file database opened
 // without them fails concurrent writes with "database is locked"); on
 // PostgreSQL, autovacuum. These checks cost a query or two, and never make
-// db.Use fail.
+// db.Use fail. On MySQL (MariaDB) it also asks the server one query to
+// check parseTime=true, and fails when the DSN lacks it, or with the
+// server's error when the server does not answer within 5 seconds.
 func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
 	if p.err != nil {
 		return p.err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"gorm.io/gorm"
 
@@ -17,6 +18,9 @@ import (
 // message names the versions missing. A schema newer than the library's
 // (migrated by a newer version of it) is accepted.
 var ErrSchemaNotCurrent = errors.New("outbox: the outbox schema is not current")
+
+// schemaCheckTimeout bounds NewDispatcher's read of the schema versions.
+const schemaCheckTimeout = 10 * time.Second
 
 // schemaCurrent returns an error wrapping ErrSchemaNotCurrent unless the
 // version table of t (<table>_migrations, as AutoMigrate keeps it) lists

@@ -61,14 +61,14 @@ func warnSettings(ctx context.Context, db *gorm.DB, d dialect.Dialect, t dialect
 		if err := pool.QueryRowContext(ctx, `PRAGMA journal_mode`).Scan(&mode); err != nil {
 			skip("sqlite journal_mode", err)
 		} else if !strings.EqualFold(mode, "wal") {
-			log.WarnContext(ctx, "outbox: SQLite runs without the WAL journal mode: the dispatcher's reads and the writers' transactions then block each other, and writes fail with \"database is locked\"; open the database with _journal_mode=WAL, as in file:app.db?_busy_timeout=5000&_journal_mode=WAL&_txlock=immediate",
+			log.WarnContext(ctx, "outbox: SQLite runs without the WAL journal mode: the dispatcher's reads and the writers' transactions then block each other, and writes fail with \"database is locked\"; open the database with _journal_mode=WAL, as in file:app.db?_busy_timeout=5000&_journal_mode=WAL&_txlock=immediate (mattn/go-sqlite3) or file:app.db?_pragma=busy_timeout(5000)&_pragma=journal_mode(WAL)&_txlock=immediate (glebarez/sqlite, modernc.org/sqlite)",
 				"journal_mode", mode, "file", file)
 		}
 		var timeout int
 		if err := pool.QueryRowContext(ctx, `PRAGMA busy_timeout`).Scan(&timeout); err != nil {
 			skip("sqlite busy_timeout", err)
 		} else if timeout <= 0 {
-			log.WarnContext(ctx, "outbox: SQLite runs without a busy timeout: a transaction that meets another's lock fails at once with \"database is locked\" instead of waiting for it; open the database with a busy timeout, as in file:app.db?_busy_timeout=5000&_journal_mode=WAL&_txlock=immediate",
+			log.WarnContext(ctx, "outbox: SQLite runs without a busy timeout: a transaction that meets another's lock fails at once with \"database is locked\" instead of waiting for it; open the database with a busy timeout, as in file:app.db?_busy_timeout=5000&_journal_mode=WAL&_txlock=immediate (mattn/go-sqlite3) or file:app.db?_pragma=busy_timeout(5000)&_pragma=journal_mode(WAL)&_txlock=immediate (glebarez/sqlite, modernc.org/sqlite)",
 				"busy_timeout", timeout, "file", file)
 		}
 	case "postgres":
