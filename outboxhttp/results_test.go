@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"reflect"
@@ -209,12 +210,11 @@ func TestPublishRetriesATransientResultNoSoonerThanRetryAfter(t *testing.T) {
 func TestPublishFailsTheRequestAsAWholeWhenItsResultsDoNotDescribeIt(t *testing.T) {
 	t.Parallel()
 	tests := []struct{ name, body string }{
-		{"another batch", `{"batch_id":"b-other","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-2a","outcome":"handled"}]}`},
 		{"a message without a result", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"}]}`},
 		{"a result for no message", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-2a","outcome":"handled"},{"event_id":"evt-9z","outcome":"handled"}]}`},
 		{"two results for a message", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-1a","outcome":"failed"},{"event_id":"evt-2a","outcome":"handled"}]}`},
 		{"an unknown outcome", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-2a","outcome":"maybe"}]}`},
-		{"results that are not a list", `{"batch_id":"b-1","results":{"evt-1a":"handled"}}`},
+		{"a result that is not an object", `{"batch_id":"b-1","results":["evt-1a","evt-2a"]}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -230,22 +230,51 @@ func TestPublishFailsTheRequestAsAWholeWhenItsResultsDoNotDescribeIt(t *testing.
 	}
 }
 
-func TestPublishLeavesAJSONBodyWithoutResultsToTheStatus(t *testing.T) {
+func TestPublishLeavesAJSONBodyThatIsNotTheRequestsResultsToTheStatus(t *testing.T) {
 	t.Parallel()
-	for _, tt := range []struct {
-		status    int
-		wantErr   bool
-		permanent bool
+	// Bodies of a receiver that predates the results, or whose results
+	// name another request: they are no results of this request.
+	bodies := []struct{ name, body string }{
+		{"no results", `{"status":"whatever"}`},
+		{"an empty results list without a batch_id", `{"status":"ok","results":[]}`},
+		{"results that are not a list", `{"results":{"accepted":2}}`},
+		{"results that are not a list, with the batch_id", `{"batch_id":"b-1","results":{"evt-1a":"handled"}}`},
+		{"null results, with the batch_id", `{"batch_id":"b-1","results":null}`},
+		{"results of another batch", `{"batch_id":"b-other","results":[{"event_id":"evt-1a","outcome":"failed","permanent":true}]}`},
+		{"not an object", `[{"event_id":"evt-1a","outcome":"handled"}]`},
+	}
+	statuses := []struct {
+		status int
+		// want is "delivered", "retry" or "permanent", for the whole batch.
+		want string
 	}{
-		{http.StatusOK, false, false},
-		{http.StatusServiceUnavailable, true, false},
-		{http.StatusBadRequest, true, true},
-	} {
-		srv := statusServer(t, tt.status, map[string]string{"Content-Type": "application/json"}, `{"status":"whatever"}`)
-		err := newPublisher(t, srv.URL).Publish(context.Background(), testBatch())
-		var se *outboxhttp.StatusError
-		if (err != nil) != tt.wantErr || outbox.IsPermanent(err) != tt.permanent || (tt.wantErr && !errors.As(err, &se)) {
-			t.Errorf("status %d: Publish = %v; want error %v, permanent %v, a *StatusError", tt.status, err, tt.wantErr, tt.permanent)
+		{http.StatusOK, "delivered"},
+		{http.StatusServiceUnavailable, "retry"},
+		{http.StatusBadRequest, "permanent"},
+	}
+	for _, bb := range bodies {
+		for _, st := range statuses {
+			t.Run(fmt.Sprintf("%s/%d", bb.name, st.status), func(t *testing.T) {
+				t.Parallel()
+				srv := statusServer(t, st.status, map[string]string{"Content-Type": "application/json"}, bb.body)
+				b := outbox.Batch{ID: "b-1", Messages: []outbox.Message{msg("1", 1, 10), msg("2", 1, 10)}}
+				err := newPublisher(t, srv.URL).Publish(context.Background(), b)
+				got := "delivered"
+				var se *outboxhttp.StatusError
+				var partial *outbox.PartialError
+				switch {
+				case err == nil:
+				case errors.As(err, &partial) || !errors.As(err, &se) || se.StatusCode != st.status:
+					got = fmt.Sprintf("%v (not the status, for the whole batch)", err)
+				case outbox.IsPermanent(err):
+					got = "permanent"
+				default:
+					got = "retry"
+				}
+				if got != st.want {
+					t.Errorf("Publish = %v: %s, want %s", err, got, st.want)
+				}
+			})
 		}
 	}
 }
@@ -413,24 +442,37 @@ func TestDispatcherSettlesEachMessageByTheResultsOfAReceiverNotBuiltOnTheInbox(t
 func TestDispatcherSettlesTheWholeBatchByTheStatusOfAReceiverThatAnswersOnlyAStatus(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
+		name   string
 		status int
-		want   string
+		// contentType and body are the response's; the body is a JSON
+		// document of the receiver's own, not the request's results,
+		// when contentType is application/json.
+		contentType, body string
+		// want is the row of every message: "delivered/1", or the state
+		// and attempts followed by a colon and the error's prefix, which
+		// the response's status and body follow.
+		want string
 	}{
-		{http.StatusOK, "delivered/1"},
-		{http.StatusServiceUnavailable, "retry/1: outboxhttp: POST <url>: status 503 Service Unavailable: \"refused\\n\""},
-		{http.StatusUnprocessableEntity, "failed/1: permanent: outboxhttp: POST <url>: status 422 Unprocessable Entity: \"refused\\n\""},
+		{"OK", http.StatusOK, "text/plain", "", "delivered/1"},
+		{"Service Unavailable", http.StatusServiceUnavailable, "text/plain", "refused\n", "retry/1: "},
+		{"Unprocessable Entity", http.StatusUnprocessableEntity, "text/plain", "refused\n", "failed/1: permanent: "},
+		{"OK with an empty results list of its own", http.StatusOK, "application/json", `{"status":"ok","results":[]}`, "delivered/1"},
+		{"OK with results of its own", http.StatusOK, "application/json", `{"results":{"accepted":2}}`, "delivered/1"},
+		{"Service Unavailable with an empty results list of its own", http.StatusServiceUnavailable, "application/json", `{"status":"busy","results":[]}`, "retry/1: "},
+		{"Service Unavailable with results of its own", http.StatusServiceUnavailable, "application/json", `{"results":{"accepted":0}}`, "retry/1: "},
 	}
 	for _, tt := range tests {
-		t.Run(http.StatusText(tt.status), func(t *testing.T) {
+		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			url := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if tt.status == http.StatusOK {
-					w.WriteHeader(http.StatusOK)
-					return
-				}
-				http.Error(w, "refused", tt.status)
+				w.Header().Set("Content-Type", tt.contentType)
+				w.WriteHeader(tt.status)
+				_, _ = io.WriteString(w, tt.body)
 			}))
-			want := strings.ReplaceAll(tt.want, "<url>", url)
+			want := tt.want
+			if tt.status != http.StatusOK {
+				want += fmt.Sprintf("outboxhttp: POST %s: status %d %s: %q", url, tt.status, http.StatusText(tt.status), tt.body)
+			}
 			// Every message, of every aggregate, shares the batch's fate.
 			rows := dispatch(t, newPublisher(t, url), orderEvents())
 			checkRows(t, rows, map[string]string{"evt-1a": want, "evt-1b": want, "evt-2a": want})
