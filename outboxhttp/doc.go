@@ -73,8 +73,10 @@
 // Retry-After. 413 makes the publisher split the request, as above. Any
 // other status (other 4xx, an unfollowed 3xx) is permanent: the messages
 // are dead-lettered at once. These failures are reported as a
-// [*StatusError] (wrapped; use errors.As). A request that fails as a whole
-// also fails the requests of the batch not sent yet, with the same error.
+// [*StatusError] (wrapped; use errors.As). After a request that fails as a
+// whole, the publisher sends none of the batch's later requests: their
+// messages, of whatever aggregate, are sent again later without counting
+// an attempt, and only the failed request's own messages take its error.
 //
 // # Receiving
 //

@@ -387,7 +387,7 @@ func TestPublishSendsNoMessageBehindOneAnEarlierRequestDidNotAccept(t *testing.T
 	}
 }
 
-func TestPublishFailsTheRestOfTheBatchLikeARequestThatFailedAsAWhole(t *testing.T) {
+func TestPublishSendsNoRequestAfterOneThatFailedAsAWholeAndLeavesItsMessagesNotAttempted(t *testing.T) {
 	t.Parallel()
 	var (
 		mu sync.Mutex
@@ -404,16 +404,83 @@ func TestPublishFailsTheRestOfTheBatchLikeARequestThatFailedAsAWhole(t *testing.
 		}
 		http.Error(w, "overloaded", http.StatusServiceUnavailable)
 	}))
-	b := outbox.Batch{ID: "b-1", Messages: []outbox.Message{msg("1", 1, 300), msg("2", 1, 300), msg("3", 1, 300)}}
+	// Each message goes in a request of its own.
+	b := outbox.Batch{ID: "b-1", Messages: []outbox.Message{msg("1", 1, 300), msg("2", 1, 300), msg("3", 1, 300), msg("2", 2, 300)}}
 	err := newPublisher(t, srv, outboxhttp.WithMaxBodyBytes(700)).Publish(context.Background(), b)
 	got := outcomes(t, b, err)
-	if got["evt-1a"] != "accepted" || !strings.HasPrefix(got["evt-2a"], "retry: ") || got["evt-2a"] != got["evt-3a"] {
-		t.Errorf("outcomes %v; want evt-1a accepted, evt-2a and evt-3a retried with the 503", got)
+	want := map[string]string{
+		"evt-1a": "accepted",
+		"evt-2a": `retry: outboxhttp: POST ` + srv + `: status 503 Service Unavailable: "overloaded\n"`,
+		"evt-3a": "not attempted",
+		"evt-2b": "not attempted",
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("outcomes %v,\nwant %v", got, want)
 	}
 	mu.Lock()
 	defer mu.Unlock()
 	if n != 2 {
 		t.Errorf("%d requests, want 2: nothing is sent after the 503", n)
+	}
+}
+
+func TestDispatcherSendsAgainWithoutCountingAnAttemptTheMessagesNotSentAfterARequestFailedAsAWhole(t *testing.T) {
+	t.Parallel()
+	var (
+		mu       sync.Mutex
+		requests []string // the Idempotency-Key of each request
+	)
+	url := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		requests = append(requests, r.Header.Get(outboxhttp.HeaderIdempotencyKey))
+		first := len(requests) == 1
+		mu.Unlock()
+		if first {
+			http.Error(w, "refused", http.StatusUnprocessableEntity) // a status, no results
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	db, _ := brokertest.OpenOutbox(t)
+	var events []outbox.Event
+	for _, agg := range []string{"1", "2", "3"} {
+		events = append(events, outbox.Event{ID: "evt-" + agg + "a", Type: "order.changed", AggregateType: "order", AggregateID: agg,
+			Payload: strings.Repeat("x", 300)})
+	}
+	if err := outbox.Publish(db, events...); err != nil {
+		t.Fatal(err)
+	}
+	const poll = 50 * time.Millisecond
+	// Each message goes in a request of its own.
+	d, err := outbox.NewDispatcher(db, newPublisher(t, url, outboxhttp.WithMaxBodyBytes(700)),
+		outbox.WithLogger(outboxtest.Logger(t)), outbox.WithPollInterval(poll))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := func() map[string]outboxtest.Record {
+		rows := map[string]outboxtest.Record{}
+		for _, r := range outboxtest.Records(t, db, outbox.DefaultTable) {
+			rows[r.EventID] = r
+		}
+		return rows
+	}
+
+	if _, err := d.DispatchOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	refused := fmt.Sprintf("failed/1: permanent: outboxhttp: POST %s: status 422 Unprocessable Entity: %q", url, "refused\n")
+	// Only the refused request's message is dead-lettered; the others
+	// were never sent.
+	checkRows(t, rows(), map[string]string{"evt-1a": refused, "evt-2a": "pending/0", "evt-3a": "pending/0"})
+
+	// They are due again after the poll interval, and delivered.
+	time.Sleep(poll)
+	brokertest.Drain(t, d)
+	checkRows(t, rows(), map[string]string{"evt-1a": refused, "evt-2a": "delivered/1", "evt-3a": "delivered/1"})
+	mu.Lock()
+	defer mu.Unlock()
+	if len(requests) != 3 {
+		t.Errorf("requests %q, want 3: evt-1a's, then evt-2a's and evt-3a's in the next batch", requests)
 	}
 }
 
