@@ -56,20 +56,27 @@
 // it did not try because an earlier one of the same aggregate failed, and
 // must not accept a message after a failed one of its aggregate. The
 // publisher reports these outcomes to the dispatcher as an
-// [*outbox.PartialError]. A results document that does not describe the
-// request (another batch_id, a message without a result or with two, a
-// result for another message, an unknown outcome) fails the request as a
-// whole, to be retried. inbox.Receiver answers this way.
+// [*outbox.PartialError]. inbox.Receiver answers this way.
 //
-// A response without results (any other body) is settled by its status
-// alone, for every message of the request: 2xx means the receiver accepted
-// them all. 408, 429 and 5xx responses, network errors and timeouts are
+// A body is read as results only when it is a JSON object whose
+// "batch_id" is the request's and whose "results" is an array. A results
+// document that names the request but does not describe it (a message
+// without a result or with two, a result for another message, a result
+// that cannot be read, an unknown outcome) fails the request as a whole,
+// to be retried.
+//
+// A response without results (any other body, JSON or not, such as the
+// {"status":"ok","results":[]} of a receiver that predates results) is
+// settled by its status alone, for every message of the request: 2xx means
+// the receiver accepted them all. 408, 429 and 5xx responses, network errors and timeouts are
 // retryable: the dispatcher sends them again later, no sooner than
 // Retry-After. 413 makes the publisher split the request, as above. Any
 // other status (other 4xx, an unfollowed 3xx) is permanent: the messages
 // are dead-lettered at once. These failures are reported as a
-// [*StatusError] (wrapped; use errors.As). A request that fails as a whole
-// also fails the requests of the batch not sent yet, with the same error.
+// [*StatusError] (wrapped; use errors.As). After a request that fails as a
+// whole, the publisher sends none of the batch's later requests: their
+// messages, of whatever aggregate, are sent again later without counting
+// an attempt, and only the failed request's own messages take its error.
 //
 // # Receiving
 //

@@ -253,19 +253,20 @@ func defaultClient() *http.Client {
 // documentation describes:
 //
 //   - nil when every message was accepted;
-//   - the error of the request, when one request failed as a whole
-//     (network error, timeout, end of ctx, a status without results,
-//     results that do not describe it) before any message was accepted or
-//     failed otherwise: retryable, or permanent ([outbox.IsPermanent]) for
-//     a 4xx other than 408, 413 and 429 and for an unfollowed redirect; it
-//     wraps a [*StatusError] when the endpoint answered;
+//   - the error of the request, when a request that carried every message
+//     failed as a whole (network error, timeout, end of ctx, a status
+//     without results, results that do not describe it): retryable, or
+//     permanent ([outbox.IsPermanent]) for a 4xx other than 408, 413 and
+//     429 and for an unfollowed redirect; it wraps a [*StatusError] when
+//     the endpoint answered;
 //   - otherwise a wrapped [*outbox.PartialError] naming each message not
 //     accepted: with the receiver's reason for a failed result (permanent
 //     when the result says so), [outbox.ErrNotAttempted] for a message not
 //     attempted or not sent behind one of its aggregate, a permanent
 //     error wrapping [ErrTooLarge] for a message too large to send alone,
-//     and the error of the request that failed as a whole for the
-//     messages it and the later requests would have carried.
+//     the error of the request that failed as a whole for the messages it
+//     carried, and [outbox.ErrNotAttempted] for the messages the requests
+//     after it would have carried, which are not sent.
 //
 // A batch without an ID, or one that cannot be encoded, fails permanently
 // without a request. Every response body is closed.
@@ -307,7 +308,7 @@ type sending struct {
 	// requests counts the requests made.
 	requests int
 	// whole is the error of the request that failed as a whole, if one
-	// did; byWhole counts the messages it settled.
+	// did; byWhole counts the messages it carried.
 	whole   error
 	byWhole int
 }
@@ -370,12 +371,15 @@ func (s *sending) run(ctx context.Context) {
 			}
 		default:
 			// Whatever made this request fail would most likely fail the
-			// rest: it is not sent, and fails the same way.
-			s.whole = a.err
+			// rest: it is not sent, and its messages, which the receiver
+			// never saw, come back without counting an attempt.
+			s.whole, s.byWhole = a.err, len(chunk)
+			for _, pos := range chunk {
+				s.settle(pos, a.err)
+			}
 			for pos := range s.batch.Messages {
 				if !s.settled[pos] {
-					s.settle(pos, a.err)
-					s.byWhole++
+					s.settle(pos, fmt.Errorf("%w: not sent, as request %s of the batch failed: %v", outbox.ErrNotAttempted, id, a.err))
 				}
 			}
 			return

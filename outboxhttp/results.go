@@ -1,6 +1,7 @@
 package outboxhttp
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,7 +41,9 @@ const (
 //	  {"event_id": "evt-3", "outcome": "not_attempted"}]}
 //
 // BatchID is the request's batch_id (its Idempotency-Key), and Results holds
-// one result per message of the request, in any order. inbox.Receiver
+// one result per message of the request, in any order. A body whose
+// batch_id is not the request's, or whose results is not an array, is not
+// read as a Response: its status alone settles the request. inbox.Receiver
 // answers with it; any receiver may. See the package documentation for how
 // the [Publisher] reads it.
 type Response struct {
@@ -105,26 +108,25 @@ func (e *resultError) Unwrap() error {
 func (e *resultError) RetryDelay() time.Duration { return e.retryAfter }
 
 // decodeResults reads body as a [Response] to the request batchID that
-// carried msgs. It returns ok false when body is not a JSON object with a
-// "results" member: the status alone then settles the request. When it has
-// one, it returns one error per message (nil for an accepted one), or an
-// error wrapping errInvalidResults when the results do not describe the
-// request: another batch_id, a message without a result or with two, a
-// result for no message of the request, or an unknown outcome.
+// carried msgs. It returns ok false when body is not such a document: not
+// a JSON object, or one whose "batch_id" is not batchID or whose "results"
+// is not an array, as a receiver that predates the results answers with a
+// JSON body of its own. The status alone then settles the request. When
+// body is one, it returns one error per message (nil for an accepted one),
+// or an error wrapping errInvalidResults when the results do not describe
+// the request: a result that cannot be read, a message without a result or
+// with two, a result for no message of the request, or an unknown outcome.
 func decodeResults(body []byte, batchID string, msgs []outbox.Message, retryAfter time.Duration) (errs []error, ok bool, err error) {
 	var doc struct {
 		BatchID string          `json:"batch_id"`
 		Results json.RawMessage `json:"results"`
 	}
-	if json.Unmarshal(body, &doc) != nil || len(doc.Results) == 0 || string(doc.Results) == "null" {
+	if json.Unmarshal(body, &doc) != nil || doc.BatchID != batchID || !isArray(doc.Results) {
 		return nil, false, nil
 	}
 	var results []Result
 	if err := json.Unmarshal(doc.Results, &results); err != nil {
 		return nil, true, fmt.Errorf("%w: %v", errInvalidResults, err)
-	}
-	if doc.BatchID != batchID {
-		return nil, true, fmt.Errorf("%w: batch_id %q, want %q", errInvalidResults, doc.BatchID, batchID)
 	}
 	byID := make(map[string]error, len(results))
 	for _, r := range results {
@@ -158,4 +160,10 @@ func decodeResults(body []byte, batchID string, msgs []outbox.Message, retryAfte
 		}
 	}
 	return errs, true, nil
+}
+
+// isArray reports whether v, a JSON value, is an array.
+func isArray(v json.RawMessage) bool {
+	v = bytes.TrimLeft(v, " \t\r\n")
+	return len(v) > 0 && v[0] == '['
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"reflect"
@@ -209,12 +210,11 @@ func TestPublishRetriesATransientResultNoSoonerThanRetryAfter(t *testing.T) {
 func TestPublishFailsTheRequestAsAWholeWhenItsResultsDoNotDescribeIt(t *testing.T) {
 	t.Parallel()
 	tests := []struct{ name, body string }{
-		{"another batch", `{"batch_id":"b-other","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-2a","outcome":"handled"}]}`},
 		{"a message without a result", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"}]}`},
 		{"a result for no message", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-2a","outcome":"handled"},{"event_id":"evt-9z","outcome":"handled"}]}`},
 		{"two results for a message", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-1a","outcome":"failed"},{"event_id":"evt-2a","outcome":"handled"}]}`},
 		{"an unknown outcome", `{"batch_id":"b-1","results":[{"event_id":"evt-1a","outcome":"handled"},{"event_id":"evt-2a","outcome":"maybe"}]}`},
-		{"results that are not a list", `{"batch_id":"b-1","results":{"evt-1a":"handled"}}`},
+		{"a result that is not an object", `{"batch_id":"b-1","results":["evt-1a","evt-2a"]}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -230,22 +230,51 @@ func TestPublishFailsTheRequestAsAWholeWhenItsResultsDoNotDescribeIt(t *testing.
 	}
 }
 
-func TestPublishLeavesAJSONBodyWithoutResultsToTheStatus(t *testing.T) {
+func TestPublishLeavesAJSONBodyThatIsNotTheRequestsResultsToTheStatus(t *testing.T) {
 	t.Parallel()
-	for _, tt := range []struct {
-		status    int
-		wantErr   bool
-		permanent bool
+	// Bodies of a receiver that predates the results, or whose results
+	// name another request: they are no results of this request.
+	bodies := []struct{ name, body string }{
+		{"no results", `{"status":"whatever"}`},
+		{"an empty results list without a batch_id", `{"status":"ok","results":[]}`},
+		{"results that are not a list", `{"results":{"accepted":2}}`},
+		{"results that are not a list, with the batch_id", `{"batch_id":"b-1","results":{"evt-1a":"handled"}}`},
+		{"null results, with the batch_id", `{"batch_id":"b-1","results":null}`},
+		{"results of another batch", `{"batch_id":"b-other","results":[{"event_id":"evt-1a","outcome":"failed","permanent":true}]}`},
+		{"not an object", `[{"event_id":"evt-1a","outcome":"handled"}]`},
+	}
+	statuses := []struct {
+		status int
+		// want is "delivered", "retry" or "permanent", for the whole batch.
+		want string
 	}{
-		{http.StatusOK, false, false},
-		{http.StatusServiceUnavailable, true, false},
-		{http.StatusBadRequest, true, true},
-	} {
-		srv := statusServer(t, tt.status, map[string]string{"Content-Type": "application/json"}, `{"status":"whatever"}`)
-		err := newPublisher(t, srv.URL).Publish(context.Background(), testBatch())
-		var se *outboxhttp.StatusError
-		if (err != nil) != tt.wantErr || outbox.IsPermanent(err) != tt.permanent || (tt.wantErr && !errors.As(err, &se)) {
-			t.Errorf("status %d: Publish = %v; want error %v, permanent %v, a *StatusError", tt.status, err, tt.wantErr, tt.permanent)
+		{http.StatusOK, "delivered"},
+		{http.StatusServiceUnavailable, "retry"},
+		{http.StatusBadRequest, "permanent"},
+	}
+	for _, bb := range bodies {
+		for _, st := range statuses {
+			t.Run(fmt.Sprintf("%s/%d", bb.name, st.status), func(t *testing.T) {
+				t.Parallel()
+				srv := statusServer(t, st.status, map[string]string{"Content-Type": "application/json"}, bb.body)
+				b := outbox.Batch{ID: "b-1", Messages: []outbox.Message{msg("1", 1, 10), msg("2", 1, 10)}}
+				err := newPublisher(t, srv.URL).Publish(context.Background(), b)
+				got := "delivered"
+				var se *outboxhttp.StatusError
+				var partial *outbox.PartialError
+				switch {
+				case err == nil:
+				case errors.As(err, &partial) || !errors.As(err, &se) || se.StatusCode != st.status:
+					got = fmt.Sprintf("%v (not the status, for the whole batch)", err)
+				case outbox.IsPermanent(err):
+					got = "permanent"
+				default:
+					got = "retry"
+				}
+				if got != st.want {
+					t.Errorf("Publish = %v: %s, want %s", err, got, st.want)
+				}
+			})
 		}
 	}
 }
@@ -358,7 +387,7 @@ func TestPublishSendsNoMessageBehindOneAnEarlierRequestDidNotAccept(t *testing.T
 	}
 }
 
-func TestPublishFailsTheRestOfTheBatchLikeARequestThatFailedAsAWhole(t *testing.T) {
+func TestPublishSendsNoRequestAfterOneThatFailedAsAWholeAndLeavesItsMessagesNotAttempted(t *testing.T) {
 	t.Parallel()
 	var (
 		mu sync.Mutex
@@ -375,16 +404,83 @@ func TestPublishFailsTheRestOfTheBatchLikeARequestThatFailedAsAWhole(t *testing.
 		}
 		http.Error(w, "overloaded", http.StatusServiceUnavailable)
 	}))
-	b := outbox.Batch{ID: "b-1", Messages: []outbox.Message{msg("1", 1, 300), msg("2", 1, 300), msg("3", 1, 300)}}
+	// Each message goes in a request of its own.
+	b := outbox.Batch{ID: "b-1", Messages: []outbox.Message{msg("1", 1, 300), msg("2", 1, 300), msg("3", 1, 300), msg("2", 2, 300)}}
 	err := newPublisher(t, srv, outboxhttp.WithMaxBodyBytes(700)).Publish(context.Background(), b)
 	got := outcomes(t, b, err)
-	if got["evt-1a"] != "accepted" || !strings.HasPrefix(got["evt-2a"], "retry: ") || got["evt-2a"] != got["evt-3a"] {
-		t.Errorf("outcomes %v; want evt-1a accepted, evt-2a and evt-3a retried with the 503", got)
+	want := map[string]string{
+		"evt-1a": "accepted",
+		"evt-2a": `retry: outboxhttp: POST ` + srv + `: status 503 Service Unavailable: "overloaded\n"`,
+		"evt-3a": "not attempted",
+		"evt-2b": "not attempted",
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("outcomes %v,\nwant %v", got, want)
 	}
 	mu.Lock()
 	defer mu.Unlock()
 	if n != 2 {
 		t.Errorf("%d requests, want 2: nothing is sent after the 503", n)
+	}
+}
+
+func TestDispatcherSendsAgainWithoutCountingAnAttemptTheMessagesNotSentAfterARequestFailedAsAWhole(t *testing.T) {
+	t.Parallel()
+	var (
+		mu       sync.Mutex
+		requests []string // the Idempotency-Key of each request
+	)
+	url := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		requests = append(requests, r.Header.Get(outboxhttp.HeaderIdempotencyKey))
+		first := len(requests) == 1
+		mu.Unlock()
+		if first {
+			http.Error(w, "refused", http.StatusUnprocessableEntity) // a status, no results
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	db, _ := brokertest.OpenOutbox(t)
+	var events []outbox.Event
+	for _, agg := range []string{"1", "2", "3"} {
+		events = append(events, outbox.Event{ID: "evt-" + agg + "a", Type: "order.changed", AggregateType: "order", AggregateID: agg,
+			Payload: strings.Repeat("x", 300)})
+	}
+	if err := outbox.Publish(db, events...); err != nil {
+		t.Fatal(err)
+	}
+	const poll = 50 * time.Millisecond
+	// Each message goes in a request of its own.
+	d, err := outbox.NewDispatcher(db, newPublisher(t, url, outboxhttp.WithMaxBodyBytes(700)),
+		outbox.WithLogger(outboxtest.Logger(t)), outbox.WithPollInterval(poll))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := func() map[string]outboxtest.Record {
+		rows := map[string]outboxtest.Record{}
+		for _, r := range outboxtest.Records(t, db, outbox.DefaultTable) {
+			rows[r.EventID] = r
+		}
+		return rows
+	}
+
+	if _, err := d.DispatchOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	refused := fmt.Sprintf("failed/1: permanent: outboxhttp: POST %s: status 422 Unprocessable Entity: %q", url, "refused\n")
+	// Only the refused request's message is dead-lettered; the others
+	// were never sent.
+	checkRows(t, rows(), map[string]string{"evt-1a": refused, "evt-2a": "pending/0", "evt-3a": "pending/0"})
+
+	// They are due again after the poll interval, and delivered.
+	time.Sleep(poll)
+	brokertest.Drain(t, d)
+	checkRows(t, rows(), map[string]string{"evt-1a": refused, "evt-2a": "delivered/1", "evt-3a": "delivered/1"})
+	mu.Lock()
+	defer mu.Unlock()
+	if len(requests) != 3 {
+		t.Errorf("requests %q, want 3: evt-1a's, then evt-2a's and evt-3a's in the next batch", requests)
 	}
 }
 
@@ -413,24 +509,37 @@ func TestDispatcherSettlesEachMessageByTheResultsOfAReceiverNotBuiltOnTheInbox(t
 func TestDispatcherSettlesTheWholeBatchByTheStatusOfAReceiverThatAnswersOnlyAStatus(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
+		name   string
 		status int
-		want   string
+		// contentType and body are the response's; the body is a JSON
+		// document of the receiver's own, not the request's results,
+		// when contentType is application/json.
+		contentType, body string
+		// want is the row of every message: "delivered/1", or the state
+		// and attempts followed by a colon and the error's prefix, which
+		// the response's status and body follow.
+		want string
 	}{
-		{http.StatusOK, "delivered/1"},
-		{http.StatusServiceUnavailable, "retry/1: outboxhttp: POST <url>: status 503 Service Unavailable: \"refused\\n\""},
-		{http.StatusUnprocessableEntity, "failed/1: permanent: outboxhttp: POST <url>: status 422 Unprocessable Entity: \"refused\\n\""},
+		{"OK", http.StatusOK, "text/plain", "", "delivered/1"},
+		{"Service Unavailable", http.StatusServiceUnavailable, "text/plain", "refused\n", "retry/1: "},
+		{"Unprocessable Entity", http.StatusUnprocessableEntity, "text/plain", "refused\n", "failed/1: permanent: "},
+		{"OK with an empty results list of its own", http.StatusOK, "application/json", `{"status":"ok","results":[]}`, "delivered/1"},
+		{"OK with results of its own", http.StatusOK, "application/json", `{"results":{"accepted":2}}`, "delivered/1"},
+		{"Service Unavailable with an empty results list of its own", http.StatusServiceUnavailable, "application/json", `{"status":"busy","results":[]}`, "retry/1: "},
+		{"Service Unavailable with results of its own", http.StatusServiceUnavailable, "application/json", `{"results":{"accepted":0}}`, "retry/1: "},
 	}
 	for _, tt := range tests {
-		t.Run(http.StatusText(tt.status), func(t *testing.T) {
+		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			url := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if tt.status == http.StatusOK {
-					w.WriteHeader(http.StatusOK)
-					return
-				}
-				http.Error(w, "refused", tt.status)
+				w.Header().Set("Content-Type", tt.contentType)
+				w.WriteHeader(tt.status)
+				_, _ = io.WriteString(w, tt.body)
 			}))
-			want := strings.ReplaceAll(tt.want, "<url>", url)
+			want := tt.want
+			if tt.status != http.StatusOK {
+				want += fmt.Sprintf("outboxhttp: POST %s: status %d %s: %q", url, tt.status, http.StatusText(tt.status), tt.body)
+			}
 			// Every message, of every aggregate, shares the batch's fate.
 			rows := dispatch(t, newPublisher(t, url), orderEvents())
 			checkRows(t, rows, map[string]string{"evt-1a": want, "evt-1b": want, "evt-2a": want})

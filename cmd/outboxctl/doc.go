@@ -10,7 +10,9 @@
 // sqlite:./app.db or sqlite:file:app.db?_busy_timeout=5000 for SQLite;
 // postgres://user:pass@host:5432/db?sslmode=disable (or postgresql://),
 // or the key=value form GORM's docs use ('host=localhost user=gorm
-// password=gorm dbname=gorm port=9920 sslmode=disable'), for PostgreSQL;
+// password=gorm dbname=gorm port=9920 sslmode=disable'), with values in
+// single quotes when they hold spaces (password='a b', \' for a quote), as
+// libpq reads it, for PostgreSQL;
 // mysql://user:pass@host:3306/db?params (port 3306 when left out), or
 // mysql:// followed by a DSN of the MySQL driver
 // (mysql://user:pass@tcp(host:3306)/db), for MySQL and MariaDB, with

@@ -109,20 +109,104 @@ func mysqlDSN(rest string) (string, error) {
 // sslmode=disable) that tell it from other text.
 var postgresKeys = map[string]bool{"host": true, "hostaddr": true, "dbname": true, "user": true, "port": true}
 
-// keyValueDSN reports whether s is a key=value PostgreSQL DSN: fields
-// that are each key=value, one of them a PostgreSQL key.
+// keyValueDSN reports whether s is a key=value PostgreSQL DSN: a libpq
+// connection string (see parseConninfo) with one of the PostgreSQL keys.
 func keyValueDSN(s string) bool {
-	fields := strings.Fields(s)
-	if len(fields) == 0 || strings.Contains(s, "://") {
+	settings, err := parseConninfo(s)
+	if err != nil {
 		return false
 	}
-	known := false
-	for _, f := range fields {
-		k, _, ok := strings.Cut(f, "=")
-		if !ok || k == "" {
+	for k := range settings {
+		if postgresKeys[k] {
+			return true
+		}
+	}
+	return false
+}
+
+// parseConninfo reads s as libpq reads a connection string: pairs
+// key = value separated by whitespace, with optional whitespace around the
+// =. A value is either a run of characters other than whitespace, or
+// enclosed in single quotes, which may hold whitespace; in both, a
+// backslash stands for the character after it (\' a quote, \\ a
+// backslash). A key is letters, digits and underscores. It fails on
+// anything else, such as a URL, a key without =, or an unterminated quote.
+func parseConninfo(s string) (map[string]string, error) {
+	settings := map[string]string{}
+	i := 0
+	skipSpace := func() {
+		for i < len(s) && isConninfoSpace(s[i]) {
+			i++
+		}
+	}
+	for {
+		skipSpace()
+		if i == len(s) {
+			return settings, nil
+		}
+		start := i
+		for i < len(s) && s[i] != '=' && !isConninfoSpace(s[i]) {
+			i++
+		}
+		key := s[start:i]
+		if !conninfoKey(key) {
+			return nil, fmt.Errorf("%q is not a connection parameter name", key)
+		}
+		skipSpace()
+		if i == len(s) || s[i] != '=' {
+			return nil, fmt.Errorf("no = after %q", key)
+		}
+		i++
+		skipSpace()
+		quoted := i < len(s) && s[i] == '\''
+		if quoted {
+			i++
+		}
+		var val strings.Builder
+		for {
+			if i == len(s) {
+				if quoted {
+					return nil, fmt.Errorf("the value of %q has no closing quote", key)
+				}
+				break
+			}
+			c := s[i]
+			if quoted && c == '\'' {
+				i++
+				break
+			}
+			if !quoted && isConninfoSpace(c) {
+				break
+			}
+			if c == '\\' {
+				i++
+				if i == len(s) {
+					continue // as libpq, a final backslash stands for nothing
+				}
+				c = s[i]
+			}
+			val.WriteByte(c)
+			i++
+		}
+		settings[key] = val.String()
+	}
+}
+
+// conninfoKey reports whether k can name a libpq connection parameter.
+func conninfoKey(k string) bool {
+	if k == "" {
+		return false
+	}
+	for i := 0; i < len(k); i++ {
+		c := k[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '_') {
 			return false
 		}
-		known = known || postgresKeys[k]
 	}
-	return known
+	return true
+}
+
+// isConninfoSpace reports whether c is whitespace to libpq.
+func isConninfoSpace(c byte) bool {
+	return strings.IndexByte(" \t\n\r\v\f", c) >= 0
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -399,8 +400,13 @@ func TestDatabaseURLForms(t *testing.T) {
 			t.Skip("OUTBOX_POSTGRES_DSN is a URL; the key=value form is tested with the default DSN")
 		}
 		mustCtl(t, "migrate", "--db", dsn)
-		if out := mustCtl(t, "stats", "--db", dsn); !strings.Contains(out, "pending     0") {
-			t.Fatalf("stats through %q:\n%s", dsn, out)
+		// Quoted values with spaces and escapes, as libpq takes them (the
+		// test server trusts every password).
+		quoted := dsn + ` application_name = 'outboxctl\'s test' password='a b'`
+		for _, dsn := range []string{dsn, quoted} {
+			if out := mustCtl(t, "stats", "--db", dsn); !strings.Contains(out, "pending     0") {
+				t.Fatalf("stats through %q:\n%s", dsn, out)
+			}
 		}
 	})
 	t.Run("MySQL URL", func(t *testing.T) {
@@ -433,13 +439,53 @@ func TestDatabaseURLForms(t *testing.T) {
 	}
 	for s, want := range map[string]bool{
 		"host=localhost user=gorm password=gorm dbname=gorm port=9920 sslmode=disable": true,
-		"dbname=app":            true,
-		"sqlite:./a=b.db":       false,
-		"color=blue":            false,
-		"postgres://x/y?host=z": false,
+		"dbname=app":                        true,
+		"host=db password='a b' dbname=app": true,
+		"sqlite:./a=b.db":                   false,
+		"color=blue":                        false,
+		"postgres://x/y?host=z":             false,
+		"host=db password='a b":             false,
 	} {
 		if got := keyValueDSN(s); got != want {
 			t.Errorf("keyValueDSN(%q) = %v, want %v", s, got, want)
+		}
+	}
+}
+
+func TestParseConninfoReadsLibpqConnectionStrings(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   string
+		want map[string]string
+	}{
+		{"host=localhost dbname=app", map[string]string{"host": "localhost", "dbname": "app"}},
+		{"  host = localhost\tdbname= app port =5432 ", map[string]string{"host": "localhost", "dbname": "app", "port": "5432"}},
+		{"password='a b' host=db", map[string]string{"password": "a b", "host": "db"}},
+		{`password='it\'s a \\ b' host=db`, map[string]string{"password": `it's a \ b`, "host": "db"}},
+		{`password=a\ b\'c host=db`, map[string]string{"password": "a b'c", "host": "db"}},
+		{"password='' host=db", map[string]string{"password": "", "host": "db"}},
+		{"password= host=db", map[string]string{"password": "host=db"}}, // as libpq: the value follows the spaces
+		{"options='-c search_path=s1'dbname=app", map[string]string{"options": "-c search_path=s1", "dbname": "app"}},
+		{"password='a=b c'", map[string]string{"password": "a=b c"}},
+		{"dbname=app password=x\\", map[string]string{"dbname": "app", "password": "x"}}, // as libpq: a final backslash stands for nothing
+		{"", map[string]string{}},
+	} {
+		got, err := parseConninfo(tc.in)
+		if err != nil || !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("parseConninfo(%q) = %q, %v; want %q", tc.in, got, err, tc.want)
+		}
+	}
+	for _, tc := range []struct{ in, want string }{
+		{"host=db password='a b", `the value of "password" has no closing quote`},
+		{`host=db password='a b\'`, `the value of "password" has no closing quote`},
+		{"host=db dbname", `no = after "dbname"`},
+		{"host db", `no = after "host"`},
+		{"=db", `"" is not a connection parameter name`},
+		{"postgres://x/y?host=z", `"postgres://x/y?host" is not a connection parameter name`},
+		{"sqlite:./a=b.db", `"sqlite:./a" is not a connection parameter name`},
+	} {
+		if got, err := parseConninfo(tc.in); err == nil || err.Error() != tc.want {
+			t.Errorf("parseConninfo(%q) = %q, %v; want the error %s", tc.in, got, err, tc.want)
 		}
 	}
 }
@@ -591,6 +637,7 @@ func TestErrorsAreOneClearLine(t *testing.T) {
 		{"no database", []string{"stats", "--db", ""}, "--db is required"},
 		{"unknown scheme", []string{"stats", "--db", "oracle://x"}, "is not a database URL"},
 		{"empty MySQL DSN", []string{"stats", "--db", "mysql://"}, "needs a DSN"},
+		{"unterminated quote in a key=value DSN", []string{"stats", "--db", "host=127.0.0.1 dbname=test password='a b"}, `the value of "password" has no closing quote`},
 		{"bad output", []string{"stats", "--db", f.url, "-o", "yaml"}, "--output"},
 		{"bad state", []string{"list", "--db", f.url, "--state", "lost"}, `--state "lost"`},
 		{"bad time", []string{"requeue", "--db", f.url, "--failed-before", "yesterday"}, "--failed-before"},

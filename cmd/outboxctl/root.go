@@ -87,6 +87,12 @@ func dialector(url string) (gorm.Dialector, error) {
 			}
 		}
 		return mysql.Open(dsn), nil
+	case strings.Contains(url, "=") && !strings.Contains(url, "://"):
+		// Meant as a key=value DSN: say what is wrong without repeating it,
+		// password included.
+		if _, err := parseConninfo(url); err != nil {
+			return nil, fmt.Errorf("--db: not a key=value PostgreSQL DSN (host=... dbname=... password='...'): %w", err)
+		}
 	}
 	return nil, fmt.Errorf("--db: %q is not a database URL outboxctl knows: use sqlite:PATH, postgres://..., host=... dbname=... or mysql://...", url)
 }
