@@ -636,6 +636,7 @@ func TestErrorsAreOneClearLine(t *testing.T) {
 		{"unknown event id", []string{"show", "--db", f.url, "no-such-event"}, `no event "no-such-event"`},
 		{"no database", []string{"stats", "--db", ""}, "--db is required"},
 		{"unknown scheme", []string{"stats", "--db", "oracle://x"}, "is not a database URL"},
+		{"unknown scheme with a password", []string{"stats", "--db", "oracle://scott:tiger@db/x"}, `"oracle://..." is not a database URL`},
 		{"empty MySQL DSN", []string{"stats", "--db", "mysql://"}, "needs a DSN"},
 		{"unterminated quote in a key=value DSN", []string{"stats", "--db", "host=127.0.0.1 dbname=test password='a b"}, `the value of "password" has no closing quote`},
 		{"bad output", []string{"stats", "--db", f.url, "-o", "yaml"}, "--output"},
@@ -647,6 +648,9 @@ func TestErrorsAreOneClearLine(t *testing.T) {
 			out, errOut, code := ctl(t, tc.args...)
 			if code != 1 || out != "" || !strings.HasPrefix(errOut, "outboxctl: ") || strings.Count(errOut, "\n") != 1 || !strings.Contains(errOut, tc.want) {
 				t.Fatalf("exit %d, stdout %q, stderr %q; want one line with %q and exit 1", code, out, errOut, tc.want)
+			}
+			if strings.Contains(errOut, "tiger") {
+				t.Errorf("stderr %q shows the password", errOut)
 			}
 		})
 	}

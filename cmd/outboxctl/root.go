@@ -94,7 +94,16 @@ func dialector(url string) (gorm.Dialector, error) {
 			return nil, fmt.Errorf("--db: not a key=value PostgreSQL DSN (host=... dbname=... password='...'): %w", err)
 		}
 	}
-	return nil, fmt.Errorf("--db: %q is not a database URL outboxctl knows: use sqlite:PATH, postgres://..., host=... dbname=... or mysql://...", url)
+	return nil, fmt.Errorf("--db: %s is not a database URL outboxctl knows: use sqlite:PATH, postgres://..., host=... dbname=... or mysql://...", redacted(url))
+}
+
+// redacted names a --db value in an error without what may follow its
+// scheme: a password, say.
+func redacted(url string) string {
+	if scheme, _, ok := strings.Cut(url, "://"); ok {
+		return fmt.Sprintf("%q", scheme+"://...")
+	}
+	return "the value given"
 }
 
 // sqliteFile returns the file a sqlite: URL names, or "" for a file: URI
