@@ -8,6 +8,7 @@ import (
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
+	"gorm.io/gorm/schema"
 )
 
 // Upserts on MySQL and MariaDB. ON DUPLICATE KEY UPDATE names no conflict
@@ -23,6 +24,25 @@ import (
 // inserted. The rows as they were tell an update that changed nothing
 // (the server wrote nothing, and the plugin records nothing) from one
 // that did.
+
+// keepsKey reports whether a, an assignment of the primary key column f
+// in an upsert's update, leaves the key as it was: it assigns the value
+// the statement inserts (VALUES(col), as GORM's AssignmentColumns does
+// for a child's foreign key that is part of its key), and every unique
+// key of the table holds f, so that a row clashes only with one whose f
+// is that value already.
+func keepsKey(a clause.Assignment, f *schema.Field, unique map[string][]string) bool {
+	v, ok := a.Value.(clause.Column)
+	if !ok || v.Table != "excluded" || v.Raw || !strings.EqualFold(v.Name, f.DBName) {
+		return false
+	}
+	for _, cols := range unique {
+		if !slices.Contains(cols, strings.ToLower(f.DBName)) {
+			return false
+		}
+	}
+	return true
+}
 
 // lockClashingRows prepares an upsert on MySQL for rowsWritten: it reads,
 // locked (FOR UPDATE, which under REPEATABLE READ also locks the gaps
@@ -43,9 +63,11 @@ func (p *OutboxPlugin) lockClashingRows(db *gorm.DB, r *returned, unique map[str
 	}
 	oc, _ := upsertClause(stmt)
 	for _, a := range oc.DoUpdates {
-		if f := stmt.Schema.LookUpField(a.Column.Name); f != nil && f.PrimaryKey && !selfAssigned([]clause.Assignment{a}) {
-			return refuse(fmt.Sprintf("it assigns the primary key column %s, by which the plugin tells the rows apart", f.DBName))
+		f := stmt.Schema.LookUpField(a.Column.Name)
+		if f == nil || !f.PrimaryKey || selfAssigned([]clause.Assignment{a}) || keepsKey(a, f, unique) {
+			continue
 		}
+		return refuse(fmt.Sprintf("it assigns the primary key column %s, by which the plugin tells the rows apart", f.DBName))
 	}
 	c, ok := stmt.Clauses["VALUES"]
 	values, isValues := c.Expression.(clause.Values)

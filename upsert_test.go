@@ -47,10 +47,34 @@ func (l *Label) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
 	return rowEvent("label", op, l.ID, l), nil
 }
 
+// Voucher has Lines keyed by the voucher's id and a SKU, as GORM's own
+// CouponProduct is: GORM's upsert of a line assigns its voucher_id, part
+// of its primary key.
+type Voucher struct {
+	ID    uint
+	Name  string
+	Lines []VoucherLine
+}
+
+func (v *Voucher) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("voucher", op, v.ID, map[string]any{"ID": v.ID, "Name": v.Name}), nil
+}
+
+type VoucherLine struct {
+	VoucherID uint   `gorm:"primaryKey;autoIncrement:false"`
+	Sku       string `gorm:"primaryKey;size:64"`
+	Qty       int
+}
+
+func (l *VoucherLine) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return []outbox.Event{{Type: "line." + string(op), AggregateType: "line",
+		AggregateID: strconv.Itoa(int(l.VoucherID)) + "/" + l.Sku, Payload: l}}, nil
+}
+
 func setupUpserts(t *testing.T, e outboxtest.Engine) bundle {
 	t.Helper()
 	b := setup(t, e, nil)
-	mustNil(t, b.db.AutoMigrate(&Cart{}, &CartItem{}, &Label{}))
+	mustNil(t, b.db.AutoMigrate(&Cart{}, &CartItem{}, &Label{}, &Voucher{}, &VoucherLine{}))
 	return b
 }
 
@@ -120,6 +144,26 @@ func TestUpsertsRecordWhatEachRowDid(t *testing.T) {
 			`label.create label/1#1 {"Code":"dup","ID":1,"Name":"first"}`,
 			`label.update label/1#2 {"Code":"dup","ID":1,"Name":"second"}`,
 		}, nil, nil, true}, // PostgreSQL: "cannot affect row a second time"
+		{"SaveOfChildrenKeyedByTheirParent", func(t *testing.T, db *gorm.DB) error {
+			v := Voucher{Name: "v", Lines: []VoucherLine{{Sku: "a", Qty: 1}, {Sku: "b", Qty: 2}}}
+			if err := outbox.WithoutEvents(db).Create(&v).Error; err != nil {
+				return err
+			}
+			v.Name = "w"
+			v.Lines[1].Qty = 3 // in memory only: the upsert sets voucher_id alone
+			v.Lines = append(v.Lines, VoucherLine{Sku: "c", Qty: 4})
+			return db.Save(&v).Error
+		}, []string{
+			`line.update line/1/a#1 {"Qty":1,"Sku":"a","VoucherID":1}`,
+			`line.update line/1/b#1 {"Qty":2,"Sku":"b","VoucherID":1}`,
+			`line.create line/1/c#1 {"Qty":4,"Sku":"c","VoucherID":1}`,
+			`voucher.update voucher/1#1 {"ID":1,"Name":"w"}`,
+		}, []string{
+			// The upsert sets each line's voucher_id to what it holds:
+			// MySQL writes nothing.
+			`line.create line/1/c#1 {"Qty":4,"Sku":"c","VoucherID":1}`,
+			`voucher.update voucher/1#1 {"ID":1,"Name":"w"}`,
+		}, nil, false},
 		{"UpsertThatChangesNothing", func(t *testing.T, db *gorm.DB) error {
 			if err := db.Create(&Label{Code: "x", Name: "same"}).Error; err != nil {
 				return err
