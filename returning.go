@@ -64,6 +64,9 @@ type returned struct {
 	// one it left as it was, and records nothing.
 	unchanged bool
 	op        Op // the statement's kind
+	// unread: the statement ran, but the plugin could not read every row
+	// it wrote (a value the field's type refuses to scan, say).
+	unread bool
 }
 
 // returning makes the statement a dry run for GORM's own write callback,
@@ -99,6 +102,9 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 		var r *returned
 		st.withModel(stmt, func() { r, err = p.run(db, d, op) })
 		if err != nil {
+			if r != nil && r.unread {
+				st.returned = r // what it wrote must go with the statement
+			}
 			_ = db.AddError(err)
 			return
 		}
@@ -173,7 +179,8 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 	cols, err := rows.Columns()
 	if err != nil {
 		rows.Close()
-		return nil, err
+		r.unread = true
+		return r, err
 	}
 	hr := &hidingRows{Rows: rows, shown: len(cols) - len(r.cols), r: r}
 	if r.upsert && r.keys == nil {
@@ -196,7 +203,8 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 		scanned = true
 	}
 	if err := hr.drain(); err != nil {
-		return nil, err
+		r.unread = true
+		return r, err
 	}
 	if !scanned {
 		db.RowsAffected = int64(len(r.rows))
@@ -551,6 +559,7 @@ func (h *hidingRows) Scan(dest ...any) error {
 		all = append(all, row.inserted)
 	}
 	if err := h.Rows.Scan(all...); err != nil {
+		h.r.unread = true
 		return err
 	}
 	h.pending = false
