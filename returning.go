@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"fmt"
 	"reflect"
 	"slices"
@@ -680,6 +681,9 @@ func (r *returned) fill(ctx context.Context, m reflect.Value, row returnedRow) {
 // inserts it, then updates it); written holds those rows by key.
 func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow, written map[string]returnedRow) (bool, *returnedRow) {
 	if r.keys != nil {
+		if nullKey(ctx, r.keys, fresh) {
+			return false, nil // a NULL clashes with no row, not even another NULL
+		}
 		k := keyText(ctx, r.keys, fresh)
 		prev, again := written[k]
 		written[k] = row
@@ -698,6 +702,24 @@ func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returne
 		return v == 0, nil
 	}
 	return false, nil
+}
+
+// nullKey reports whether one of m's values of fields is NULL: a nil
+// pointer, or a Valuer whose value is nil (an invalid sql.Null*).
+func nullKey(ctx context.Context, fields []*schema.Field, m reflect.Value) bool {
+	for _, f := range fields {
+		v, _ := f.ValueOf(ctx, m)
+		if valuer, ok := v.(driver.Valuer); ok {
+			if dv, err := valuer.Value(); err == nil && dv == nil {
+				return true
+			}
+			continue
+		}
+		if rv := reflect.ValueOf(v); !rv.IsValid() || (rv.Kind() == reflect.Pointer && rv.IsNil()) {
+			return true
+		}
+	}
+	return false
 }
 
 // keyOf returns a text key of m's values of fields, and whether there are

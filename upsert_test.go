@@ -47,10 +47,21 @@ func (l *Label) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
 	return rowEvent("label", op, l.ID, l), nil
 }
 
+// Tag has a unique code that may be NULL: NULLs clash with nothing.
+type Tag struct {
+	ID   uint
+	Code *string `gorm:"size:64;uniqueIndex"`
+	Name string
+}
+
+func (g *Tag) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("tag", op, g.ID, g), nil
+}
+
 func setupUpserts(t *testing.T, e outboxtest.Engine) bundle {
 	t.Helper()
 	b := setup(t, e, nil)
-	mustNil(t, b.db.AutoMigrate(&Cart{}, &CartItem{}, &Label{}))
+	mustNil(t, b.db.AutoMigrate(&Cart{}, &CartItem{}, &Label{}, &Tag{}))
 	return b
 }
 
@@ -120,6 +131,12 @@ func TestUpsertsRecordWhatEachRowDid(t *testing.T) {
 			`label.create label/1#1 {"Code":"dup","ID":1,"Name":"first"}`,
 			`label.update label/1#2 {"Code":"dup","ID":1,"Name":"second"}`,
 		}, nil, nil, true}, // PostgreSQL: "cannot affect row a second time"
+		{"UpsertOfRowsWhoseKeyIsNULL", func(t *testing.T, db *gorm.DB) error {
+			return db.Clauses(upsertOnCode).Create(&[]Tag{{Name: "first"}, {Name: "second"}}).Error
+		}, []string{
+			`tag.create tag/1#1 {"Code":null,"ID":1,"Name":"first"}`,
+			`tag.create tag/2#1 {"Code":null,"ID":2,"Name":"second"}`,
+		}, nil, nil, false},
 		{"UpsertThatChangesNothing", func(t *testing.T, db *gorm.DB) error {
 			if err := db.Create(&Label{Code: "x", Name: "same"}).Error; err != nil {
 				return err
