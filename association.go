@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -27,7 +28,8 @@ import (
 // associated model that does not emit. It fails, before anything is
 // written, when it cannot tell.
 func (p *OutboxPlugin) associationModel(stmt *gorm.Statement) (*schema.Schema, error) {
-	if !associationUpdate(stmt) {
+	table, ok := associationUpdate(stmt)
+	if !ok {
 		return nil, nil
 	}
 	refuse := func(why string) error {
@@ -43,7 +45,7 @@ func (p *OutboxPlugin) associationModel(stmt *gorm.Statement) (*schema.Schema, e
 	var emitting []*schema.Schema
 	cache.Range(func(_, v any) bool {
 		s, ok := v.(*schema.Schema)
-		if !ok || s.Table != stmt.Table || p.emitterFor(s.ModelType) == nil {
+		if !ok || s.Table != table || p.emitterFor(s.ModelType) == nil {
 			return true
 		}
 		if !slices.ContainsFunc(emitting, func(e *schema.Schema) bool { return e.ModelType == s.ModelType }) {
@@ -63,13 +65,16 @@ func (p *OutboxPlugin) associationModel(stmt *gorm.Statement) (*schema.Schema, e
 // associationUpdate reports whether stmt is an update without a model,
 // of values from a map, whose WHERE keeps the rows of its table that an
 // EXISTS over another table correlates with them: the statement GORM runs
-// for gorm.G's association update of a many-to-many association.
-func associationUpdate(stmt *gorm.Statement) bool {
+// for gorm.G's association update of a many-to-many association. It
+// returns the table's name as the associated model's schema gives it:
+// GORM's Table keeps only the part after a schema's name ("app.tags"
+// becomes "tags") in stmt.Table, the correlation the whole name.
+func associationUpdate(stmt *gorm.Statement) (string, bool) {
 	if stmt.Schema != nil || stmt.Table == "" {
-		return false
+		return "", false
 	}
 	if _, ok := stmt.Dest.(map[string]any); !ok {
-		return false
+		return "", false
 	}
 	where, _ := stmt.Clauses["WHERE"].Expression.(clause.Where)
 	for _, e := range where.Exprs {
@@ -89,12 +94,18 @@ func associationUpdate(stmt *gorm.Statement) bool {
 			}
 			own, ok1 := eq.Column.(clause.Column)
 			other, ok2 := eq.Value.(clause.Column)
-			if ok1 && ok2 && own.Table == sub.Statement.Table && other.Table == stmt.Table {
-				return true
+			if ok1 && ok2 && named(own.Table, sub.Statement.Table) && named(other.Table, stmt.Table) {
+				return other.Table, true
 			}
 		}
 	}
-	return false
+	return "", false
+}
+
+// named reports whether a schema's table name (with a schema's name
+// before it, or not) names the table a statement's Table holds.
+func named(schemaTable, stmtTable string) bool {
+	return schemaTable == stmtTable || strings.HasSuffix(schemaTable, "."+stmtTable)
 }
 
 // schemaCache returns GORM's cache of the schemas parsed for db, which

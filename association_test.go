@@ -265,3 +265,48 @@ func TestCascadeDeleteRecordsOnlyWhatGormDeletes(t *testing.T) {
 		})
 	}
 }
+
+// QualifiedWriter and QualifiedTopic name their tables with the schema's
+// name, which GORM's Table keeps apart from the table's.
+type QualifiedWriter struct {
+	ID     uint
+	Name   string
+	Topics []QualifiedTopic `gorm:"many2many:main.qualified_writer_topics"`
+}
+
+func (QualifiedWriter) TableName() string { return "main.qualified_writers" }
+
+type QualifiedTopic struct {
+	ID   uint
+	Name string
+}
+
+func (QualifiedTopic) TableName() string { return "main.qualified_topics" }
+
+func (tp *QualifiedTopic) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("topic", op, tp.ID, tp), nil
+}
+
+// TestAssociationUpdateOfTablesNamedWithTheirSchemaRecordsAnUpdatePerRow:
+// tables named "schema.table" (SQLite's main here; GORM's SQLite migrator
+// cannot create them, so they are made by hand).
+func TestAssociationUpdateOfTablesNamedWithTheirSchemaRecordsAnUpdatePerRow(t *testing.T) {
+	b := setup(t, outboxtest.SQLite, nil)
+	for _, ddl := range []string{
+		"CREATE TABLE qualified_writers (id integer PRIMARY KEY AUTOINCREMENT, name text)",
+		"CREATE TABLE qualified_topics (id integer PRIMARY KEY AUTOINCREMENT, name text)",
+		"CREATE TABLE qualified_writer_topics (qualified_writer_id integer, qualified_topic_id integer, PRIMARY KEY (qualified_writer_id, qualified_topic_id))",
+	} {
+		mustNil(t, b.db.Exec(ddl).Error)
+	}
+	mustNil(t, outbox.WithoutEvents(b.db).Create(&QualifiedWriter{Name: "w", Topics: []QualifiedTopic{{Name: "a"}, {Name: "b"}}}).Error)
+	_, err := gorm.G[QualifiedWriter](b.db).Where("id = ?", 1).Set(rename("Topics")).Update(context.Background())
+	mustNil(t, err)
+	want := []string{
+		`topic.update topic/1#1 {"ID":1,"Name":"renamed"}`,
+		`topic.update topic/2#1 {"ID":2,"Name":"renamed"}`,
+	}
+	if got := styleEvents(t, b, 0); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}

@@ -231,3 +231,68 @@ func TestUnreadableRowIsDeadLetteredAndHoldsBackOnlyItsAggregate(t *testing.T) {
 		}
 	}
 }
+
+// Picky is a column type whose Scan refuses the value "x", which its
+// Value writes all the same.
+type Picky string
+
+func (p *Picky) Scan(v any) error {
+	var s string
+	switch v := v.(type) {
+	case string:
+		s = v
+	case []byte:
+		s = string(v)
+	}
+	if s == "x" {
+		return errors.New("picky: x is refused")
+	}
+	*p = Picky(s)
+	return nil
+}
+
+type PickyRow struct {
+	ID uint
+	P  Picky
+}
+
+func (r *PickyRow) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("picky", op, r.ID, r), nil
+}
+
+// TestRowThePluginCannotReadBackLeavesNothingWhenTheCallerCommits: a
+// create whose row the plugin cannot read back fails; the caller ignores
+// the error and commits. No row remains without its event: the savepoint
+// took the row with it (SQLite, MySQL), or the transaction refuses to
+// commit (PostgreSQL).
+func TestRowThePluginCannotReadBackLeavesNothingWhenTheCallerCommits(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.AutoMigrate(&PickyRow{}))
+		var writeErr error
+		txErr := b.db.Transaction(func(tx *gorm.DB) error {
+			if err := tx.Create(&PickyRow{P: "kept"}).Error; err != nil {
+				return err
+			}
+			writeErr = tx.Create(&PickyRow{P: "x"}).Error
+			return nil // the caller ignores the error and commits
+		})
+		if writeErr == nil || !strings.Contains(writeErr.Error(), "x is refused") {
+			t.Fatalf("err = %v, want the Scan's", writeErr)
+		}
+		var n int64
+		mustNil(t, b.db.Model(&PickyRow{}).Count(&n).Error)
+		want := int64(1)
+		if e == outboxtest.Postgres {
+			if txErr == nil {
+				t.Fatal("PostgreSQL committed the transaction after the failed write")
+			}
+			want = 0
+		} else {
+			mustNil(t, txErr)
+		}
+		if events := int64(len(b.records(t))); n != want || events != want {
+			t.Fatalf("%d rows and %d events after the commit, want %d of each", n, events, want)
+		}
+	})
+}

@@ -295,8 +295,9 @@ func (p *OutboxPlugin) finishTransaction(db *gorm.DB, st *writeState, completed 
 		}
 		return
 	}
-	if !st.own && db.Error != nil && st.returned != nil && len(st.returned.rows) > 0 {
-		// The caller's transaction holds rows whose events failed.
+	if !st.own && db.Error != nil && st.returned != nil && (len(st.returned.rows) > 0 || st.returned.unread) {
+		// The caller's transaction holds rows whose events failed, or
+		// rows the plugin could not read.
 		if d, err := dialect.For(db); err == nil {
 			if a, ok := d.(dialect.Aborter); ok {
 				_ = a.AbortTx(stmt.Context, plainConn(stmt.ConnPool)) // it fails by design

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"log/slog"
+	"maps"
 	"reflect"
 	"regexp"
 	"strings"
@@ -217,29 +218,49 @@ func (p *OutboxPlugin) emitterFor(t reflect.Type) func(model any, op Op) ([]Even
 	return p.emitters[t]
 }
 
-const skipEventsKey = "outbox:skip_events"
-
 // WithoutEvents returns db set up so that the statements run through it
 // record no outbox events, even on models that emit them. Use it for
 // backfills and data repairs, and for the writes the plugin refuses (see
 // [ErrUnidentifiedRows]); [Publish] still records what it is given.
 //
-// It leaves db itself as it was, even where db is a chain whose statements
-// GORM runs on one Statement (db.Model(&x), say).
+// That holds for every statement of the sessions GORM derives from the
+// returned db, new ones included: the saves of associations, the writes
+// of the models' hooks, db.Transaction's tx and gorm.G[T](db)'s
+// statements. It leaves db itself as it was, even where db is a chain
+// whose statements GORM runs on one Statement (db.Model(&x), say).
 func WithoutEvents(db *gorm.DB) *gorm.DB {
 	// Scopes() adds nothing; it returns db itself only for a chain, and
 	// otherwise the statement GORM would give db's next call: a fresh one
 	// for a new session (the tx of a hook), a copy for others.
-	if tx := db.Scopes(); tx != db {
-		return tx.Set(skipEventsKey, true)
+	tx := db.Scopes()
+	if tx == db {
+		tx = db.Session(&gorm.Session{})
 	}
-	return db.Session(&gorm.Session{}).Set(skipEventsKey, true)
+	// The mark goes in the configuration, which every session GORM
+	// derives copies (Session, Begin, a hook's tx, gorm.G's Session with
+	// NewDB and the call's context), where a statement's settings are
+	// dropped by a new session. The copy keeps db's own as it was.
+	cfg := *tx.Config
+	cfg.Plugins = make(map[string]gorm.Plugin, len(tx.Config.Plugins)+1)
+	maps.Copy(cfg.Plugins, tx.Config.Plugins)
+	cfg.Plugins[withoutEventsName] = withoutEventsMark{}
+	tx.Config = &cfg
+	return tx
 }
 
+// withoutEventsName keys, in a gorm.Config's Plugins, the mark of a
+// configuration that WithoutEvents made. The mark is never registered
+// with db.Use, so GORM never initializes it.
+const withoutEventsName = "outbox:without_events"
+
+type withoutEventsMark struct{}
+
+func (withoutEventsMark) Name() string              { return withoutEventsName }
+func (withoutEventsMark) Initialize(*gorm.DB) error { return nil }
+
 func eventsSkipped(db *gorm.DB) bool {
-	v, ok := db.Get(skipEventsKey)
-	skip, _ := v.(bool)
-	return ok && skip
+	_, ok := db.Config.Plugins[withoutEventsName]
+	return ok
 }
 
 // pluginOf returns the outbox plugin registered on db.

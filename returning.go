@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"fmt"
 	"reflect"
 	"slices"
@@ -64,6 +65,9 @@ type returned struct {
 	// one it left as it was, and records nothing.
 	unchanged bool
 	op        Op // the statement's kind
+	// unread: the statement ran, but the plugin could not read every row
+	// it wrote (a value the field's type refuses to scan, say).
+	unread bool
 }
 
 // returning makes the statement a dry run for GORM's own write callback,
@@ -99,6 +103,9 @@ func (p *OutboxPlugin) returned(op Op) func(*gorm.DB) {
 		var r *returned
 		st.withModel(stmt, func() { r, err = p.run(db, d, op) })
 		if err != nil {
+			if r != nil && r.unread {
+				st.returned = r // what it wrote must go with the statement
+			}
 			_ = db.AddError(err)
 			return
 		}
@@ -173,7 +180,8 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 	cols, err := rows.Columns()
 	if err != nil {
 		rows.Close()
-		return nil, err
+		r.unread = true
+		return r, err
 	}
 	hr := &hidingRows{Rows: rows, shown: len(cols) - len(r.cols), r: r}
 	if r.upsert && r.keys == nil {
@@ -196,7 +204,8 @@ func (p *OutboxPlugin) run(db *gorm.DB, d dialect.Dialect, op Op) (*returned, er
 		scanned = true
 	}
 	if err := hr.drain(); err != nil {
-		return nil, err
+		r.unread = true
+		return r, err
 	}
 	if !scanned {
 		db.RowsAffected = int64(len(r.rows))
@@ -551,6 +560,7 @@ func (h *hidingRows) Scan(dest ...any) error {
 		all = append(all, row.inserted)
 	}
 	if err := h.Rows.Scan(all...); err != nil {
+		h.r.unread = true
 		return err
 	}
 	h.pending = false
@@ -671,6 +681,9 @@ func (r *returned) fill(ctx context.Context, m reflect.Value, row returnedRow) {
 // inserts it, then updates it); written holds those rows by key.
 func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returnedRow, written map[string]returnedRow) (bool, *returnedRow) {
 	if r.keys != nil {
+		if nullKey(ctx, r.keys, fresh) {
+			return false, nil // a NULL clashes with no row, not even another NULL
+		}
 		k := keyText(ctx, r.keys, fresh)
 		prev, again := written[k]
 		written[k] = row
@@ -689,6 +702,24 @@ func (r *returned) updated(ctx context.Context, fresh reflect.Value, row returne
 		return v == 0, nil
 	}
 	return false, nil
+}
+
+// nullKey reports whether one of m's values of fields is NULL: a nil
+// pointer, or a Valuer whose value is nil (an invalid sql.Null*).
+func nullKey(ctx context.Context, fields []*schema.Field, m reflect.Value) bool {
+	for _, f := range fields {
+		v, _ := f.ValueOf(ctx, m)
+		if valuer, ok := v.(driver.Valuer); ok {
+			if dv, err := valuer.Value(); err == nil && dv == nil {
+				return true
+			}
+			continue
+		}
+		if rv := reflect.ValueOf(v); !rv.IsValid() || (rv.Kind() == reflect.Pointer && rv.IsNil()) {
+			return true
+		}
+	}
+	return false
 }
 
 // keyOf returns a text key of m's values of fields, and whether there are

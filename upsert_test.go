@@ -71,10 +71,21 @@ func (l *VoucherLine) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
 		AggregateID: strconv.Itoa(int(l.VoucherID)) + "/" + l.Sku, Payload: l}}, nil
 }
 
+// Tag has a unique code that may be NULL: NULLs clash with nothing.
+type Tag struct {
+	ID   uint
+	Code *string `gorm:"size:64;uniqueIndex"`
+	Name string
+}
+
+func (g *Tag) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("tag", op, g.ID, g), nil
+}
+
 func setupUpserts(t *testing.T, e outboxtest.Engine) bundle {
 	t.Helper()
 	b := setup(t, e, nil)
-	mustNil(t, b.db.AutoMigrate(&Cart{}, &CartItem{}, &Label{}, &Voucher{}, &VoucherLine{}))
+	mustNil(t, b.db.AutoMigrate(&Cart{}, &CartItem{}, &Label{}, &Tag{}, &Voucher{}, &VoucherLine{}))
 	return b
 }
 
@@ -164,6 +175,12 @@ func TestUpsertsRecordWhatEachRowDid(t *testing.T) {
 			`line.create line/1/c#1 {"Qty":4,"Sku":"c","VoucherID":1}`,
 			`voucher.update voucher/1#1 {"ID":1,"Name":"w"}`,
 		}, nil, false},
+		{"UpsertOfRowsWhoseKeyIsNULL", func(t *testing.T, db *gorm.DB) error {
+			return db.Clauses(upsertOnCode).Create(&[]Tag{{Name: "first"}, {Name: "second"}}).Error
+		}, []string{
+			`tag.create tag/1#1 {"Code":null,"ID":1,"Name":"first"}`,
+			`tag.create tag/2#1 {"Code":null,"ID":2,"Name":"second"}`,
+		}, nil, nil, false},
 		{"UpsertThatChangesNothing", func(t *testing.T, db *gorm.DB) error {
 			if err := db.Create(&Label{Code: "x", Name: "same"}).Error; err != nil {
 				return err

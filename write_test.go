@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -750,6 +751,96 @@ func TestWithoutEventsInAHookWritesWhatItIsGiven(t *testing.T) {
 		}
 		if recs := b.records(t); len(recs) != 1 || recs[0].EventType != "audited.create" {
 			t.Fatalf("outbox rows %+v, want the audited.create event alone", recs)
+		}
+	})
+}
+
+// TestWithoutEventsSilencesGormG: gorm.G[T](outbox.WithoutEvents(db))
+// runs its statements on a new session of its own, with the call's
+// context; they write and record nothing, on every engine.
+func TestWithoutEventsSilencesGormG(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		name string
+		run  func(db *gorm.DB) error
+		want string // the orders' statuses once it ran
+	}{
+		{"Create", func(db *gorm.DB) error {
+			return gorm.G[Order](db).Create(ctx, &Order{Status: "made"})
+		}, "[new made]"},
+		{"CreateInBatches", func(db *gorm.DB) error {
+			return gorm.G[Order](db).CreateInBatches(ctx, &[]Order{{Status: "a"}, {Status: "b"}, {Status: "c"}}, 2)
+		}, "[new a b c]"},
+		{"UpdateWhere", func(db *gorm.DB) error {
+			_, err := gorm.G[Order](db).Where("status = ?", "new").Update(ctx, "status", "x")
+			return err
+		}, "[x]"},
+		{"SetUpdate", func(db *gorm.DB) error {
+			_, err := gorm.G[Order](db).Where("status = ?", "new").Set(clause.Assignment{Column: clause.Column{Name: "status"}, Value: "set"}).Update(ctx)
+			return err
+		}, "[set]"},
+		{"DeleteWhere", func(db *gorm.DB) error {
+			_, err := gorm.G[Order](db).Where("status = ?", "new").Delete(ctx)
+			return err
+		}, "[]"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+				b := setup(t, e, nil)
+				mustNil(t, outbox.WithoutEvents(b.db).Create(&Order{Status: "new", Total: 1}).Error)
+				mustNil(t, c.run(outbox.WithoutEvents(b.db)))
+				var statuses []string
+				mustNil(t, b.db.Model(&Order{}).Order("id").Pluck("status", &statuses).Error)
+				if fmt.Sprint(statuses) != c.want {
+					t.Fatalf("orders %v, want %s", statuses, c.want)
+				}
+				if n := len(b.records(t)); n != 0 {
+					t.Fatalf("WithoutEvents recorded %d outbox rows, want none", n)
+				}
+				// The db WithoutEvents was given still records.
+				mustNil(t, gorm.G[Order](b.db).Create(ctx, &Order{Status: "loud"}))
+				if n := len(b.records(t)); n != 1 {
+					t.Fatalf("%d outbox rows after a write through db itself, want 1", n)
+				}
+			})
+		})
+	}
+}
+
+// Clerk writes an Order from its AfterCreate hook, on the tx GORM hands
+// the hook, and publishes an event of its own.
+type Clerk struct {
+	ID   uint
+	Name string
+}
+
+func (c *Clerk) OutboxEvents(op outbox.Op) ([]outbox.Event, error) {
+	return rowEvent("clerk", op, c.ID, c), nil
+}
+
+func (c *Clerk) AfterCreate(tx *gorm.DB) error {
+	if err := tx.Create(&Order{Status: "by " + c.Name}).Error; err != nil {
+		return err
+	}
+	return outbox.Publish(tx, outbox.Event{Type: "clerk.hired", AggregateType: "clerk", AggregateID: strconv.Itoa(int(c.ID))})
+}
+
+// TestWithoutEventsSilencesTheWritesOfHooks: a model's hook writes on a
+// new session of the statement's; under WithoutEvents those writes record
+// nothing either, while Publish records what it is given.
+func TestWithoutEventsSilencesTheWritesOfHooks(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		mustNil(t, b.db.AutoMigrate(&Clerk{}))
+		mustNil(t, outbox.WithoutEvents(b.db).Create(&Clerk{Name: "c"}).Error)
+		var statuses []string
+		mustNil(t, b.db.Model(&Order{}).Pluck("status", &statuses).Error)
+		if fmt.Sprint(statuses) != "[by c]" {
+			t.Fatalf("orders %v, want [by c]", statuses)
+		}
+		if got := styleEvents(t, b, 0); fmt.Sprint(got) != "[clerk.hired clerk/1#1 null]" {
+			t.Fatalf("events %v, want the published clerk.hired alone", got)
 		}
 	})
 }
