@@ -294,7 +294,7 @@ func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 // nil) into r.
 func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 	stmt := db.Statement
-	sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
+	sel := &gorm.Statement{DB: db, Table: stmt.Table, TableExpr: stmt.TableExpr, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
 	cols := make([]clause.Column, len(r.cols))
 	for i, f := range r.cols {
 		cols[i] = clause.Column{Table: stmt.Table, Name: f.DBName}
@@ -317,6 +317,39 @@ func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 		return err
 	}
 	return (&hidingRows{Rows: rows, r: r}).drain()
+}
+
+// tableSQL returns the statement's table as GORM writes it in the
+// statement: its TableExpr, where it has one without variables, or its
+// Table quoted. A name with a schema's or database's name before it
+// ("otherdb.labels", from a model's TableName or from Table) is whole
+// only in TableExpr, quoted ("otherdb"."labels"); Table holds the part
+// after the dot.
+func tableSQL(stmt *gorm.Statement) string {
+	if e := stmt.TableExpr; e != nil && len(e.Vars) == 0 {
+		return e.SQL
+	}
+	return stmt.Quote(stmt.Table)
+}
+
+// tableName returns the name of the statement's table, with its schema's
+// or database's name before it where GORM was given one
+// ("otherdb.labels"): TableExpr's name as GORM quoted it, read back, or
+// Table where TableExpr is not one (an alias, say).
+func tableName(stmt *gorm.Statement) string {
+	e := stmt.TableExpr
+	if e == nil || len(e.Vars) > 0 || len(e.SQL) < 2 {
+		return stmt.Table
+	}
+	q := e.SQL[:1] // GORM's dialectors quote each part alike: `a`.`b`, "a"."b"
+	parts := strings.Split(e.SQL[1:len(e.SQL)-1], q+"."+q)
+	for i, part := range parts {
+		parts[i] = strings.ReplaceAll(part, q+q, q)
+	}
+	if name := strings.Join(parts, "."); stmt.Quote(name) == e.SQL {
+		return name
+	}
+	return stmt.Table
 }
 
 // insertKeys tells, before a create runs on an engine without INSERT ...
@@ -491,7 +524,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned
 	}
 	conn := plainConn(stmt.ConnPool)
 	if kr.UniqueKeys != nil {
-		unique, err := kr.UniqueKeys(stmt.Context, conn, stmt.Table)
+		unique, err := kr.UniqueKeys(stmt.Context, conn, tableName(stmt))
 		if err != nil {
 			return fmt.Errorf("outbox: upsert of %s: %w", stmt.Schema.Name, err)
 		}
@@ -789,7 +822,7 @@ func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statem
 				args = append(args, v)
 			}
 		}
-		query := "SELECT " + cols.String() + " FROM " + stmt.Quote(stmt.Table) +
+		query := "SELECT " + cols.String() + " FROM " + tableSQL(stmt) +
 			" WHERE (" + cols.String() + ") IN (" + values + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + kr.Lock
 		rows, err := conn.QueryContext(ctx, bind(query), args...)
 		if err != nil {
