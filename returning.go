@@ -28,8 +28,10 @@ import (
 // Each returned row becomes a model value filled from the row: a copy of
 // the statement's own model for that row where there is one (found by
 // position when every row was written, by conflict target or primary key
-// otherwise), so that fields that are not columns (associations) stay as
-// the caller set them, or a fresh zero model (writes by condition, creates
+// otherwise; the structs it embeds through pointers copied too, so that
+// filling it leaves the caller's model as it was), so that fields that
+// are not columns (associations) stay as the caller set them, or a fresh
+// zero model (writes by condition, creates
 // from maps). Either way its columns hold the row as stored: a NULL is
 // what a fresh read gives, not what the caller's struct held. A row an
 // upsert updated is reported as an update: PostgreSQL says so in
@@ -674,6 +676,7 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		if bases[i].IsValid() {
 			m = reflect.New(sch.ModelType).Elem()
 			m.Set(bases[i])
+			r.detach(m)
 			r.fill(ctx, m, row)
 		}
 		out[i] = written{model: m, op: op}
@@ -693,6 +696,36 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		}
 	}
 	return out
+}
+
+// detach gives m, a copy of a caller's model, copies of its own of the
+// structs it embeds through a pointer (an anonymous *Stamp, or a pointer
+// tagged gorm:"embedded") on the way to a column of r.cols, so that fill
+// writes nothing into memory the caller's model points to. GORM marks
+// such a step of a field's index path negative (-i-1); a nil pointer is
+// left to fill, which sets a new struct.
+func (r *returned) detach(m reflect.Value) {
+	own := map[uintptr]bool{} // the copies made so far
+	for _, f := range r.cols {
+		v := m
+		for _, i := range f.StructField.Index {
+			if i >= 0 {
+				v = v.Field(i)
+				continue
+			}
+			v = v.Field(-i - 1)
+			if v.IsNil() {
+				break
+			}
+			if !own[v.Pointer()] {
+				c := reflect.New(v.Type().Elem())
+				c.Elem().Set(v.Elem())
+				v.Set(c)
+				own[c.Pointer()] = true
+			}
+			v = v.Elem()
+		}
+	}
 }
 
 // fill sets m's columns from row, so that they hold what a fresh read of
