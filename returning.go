@@ -31,9 +31,9 @@ import (
 // otherwise; the structs it embeds through pointers copied too, so that
 // filling it leaves the caller's model as it was), so that fields that
 // are not columns (associations) stay as the caller set them, or a fresh
-// zero model (writes by condition, creates
-// from maps). Either way its columns hold the row as stored: a NULL is
-// what a fresh read gives, not what the caller's struct held. A row an
+// zero model (writes by condition, creates from maps). Either way its
+// columns hold the row as stored: a NULL is what a fresh read gives, not
+// what the caller's struct held. A row an
 // upsert updated is reported as an update: PostgreSQL says so in
 // RETURNING (xmax = 0 for a row the statement inserted); on
 // SQLite the plugin reads which of the statement's conflict keys exist
