@@ -61,7 +61,7 @@ func cutStatement(stmt *gorm.Statement) (builtStatement, bool) {
 // buildClauses builds stmt's clauses of names, as GORM builds them, on a
 // statement of their own.
 func buildClauses(stmt *gorm.Statement, names ...string) (string, []any) {
-	sc := &gorm.Statement{DB: stmt.DB, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
+	sc := &gorm.Statement{DB: stmt.DB, Table: stmt.Table, TableExpr: stmt.TableExpr, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
 	for _, n := range names {
 		if c, ok := stmt.Clauses[n]; ok {
 			sc.Clauses[n] = c

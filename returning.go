@@ -28,10 +28,12 @@ import (
 // Each returned row becomes a model value filled from the row: a copy of
 // the statement's own model for that row where there is one (found by
 // position when every row was written, by conflict target or primary key
-// otherwise), so that fields that are not columns (associations) stay as
-// the caller set them, or a fresh zero model (writes by condition, creates
-// from maps). Either way its columns hold the row as stored: a NULL is
-// what a fresh read gives, not what the caller's struct held. A row an
+// otherwise; the structs it embeds through pointers copied too, so that
+// filling it leaves the caller's model as it was), so that fields that
+// are not columns (associations) stay as the caller set them, or a fresh
+// zero model (writes by condition, creates from maps). Either way its
+// columns hold the row as stored: a NULL is what a fresh read gives, not
+// what the caller's struct held. A row an
 // upsert updated is reported as an update: PostgreSQL says so in
 // RETURNING (xmax = 0 for a row the statement inserted); on
 // SQLite the plugin reads which of the statement's conflict keys exist
@@ -294,7 +296,7 @@ func (p *OutboxPlugin) lockAndRead(db *gorm.DB, r *returned, kind Op) error {
 // nil) into r.
 func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 	stmt := db.Statement
-	sel := &gorm.Statement{DB: db, Table: stmt.Table, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
+	sel := &gorm.Statement{DB: db, Table: stmt.Table, TableExpr: stmt.TableExpr, Schema: stmt.Schema, Context: stmt.Context, Clauses: map[string]clause.Clause{}}
 	cols := make([]clause.Column, len(r.cols))
 	for i, f := range r.cols {
 		cols[i] = clause.Column{Table: stmt.Table, Name: f.DBName}
@@ -317,6 +319,39 @@ func readRows(db *gorm.DB, r *returned, where clause.Expression) error {
 		return err
 	}
 	return (&hidingRows{Rows: rows, r: r}).drain()
+}
+
+// tableSQL returns the statement's table as GORM writes it in the
+// statement: its TableExpr, where it has one without variables, or its
+// Table quoted. A name with a schema's or database's name before it
+// ("otherdb.labels", from a model's TableName or from Table) is whole
+// only in TableExpr, quoted ("otherdb"."labels"); Table holds the part
+// after the dot.
+func tableSQL(stmt *gorm.Statement) string {
+	if e := stmt.TableExpr; e != nil && len(e.Vars) == 0 {
+		return e.SQL
+	}
+	return stmt.Quote(stmt.Table)
+}
+
+// tableName returns the name of the statement's table, with its schema's
+// or database's name before it where GORM was given one
+// ("otherdb.labels"): TableExpr's name as GORM quoted it, read back, or
+// Table where TableExpr is not one (an alias, say).
+func tableName(stmt *gorm.Statement) string {
+	e := stmt.TableExpr
+	if e == nil || len(e.Vars) > 0 || len(e.SQL) < 2 {
+		return stmt.Table
+	}
+	q := e.SQL[:1] // GORM's dialectors quote each part alike: `a`.`b`, "a"."b"
+	parts := strings.Split(e.SQL[1:len(e.SQL)-1], q+"."+q)
+	for i, part := range parts {
+		parts[i] = strings.ReplaceAll(part, q+q, q)
+	}
+	if name := strings.Join(parts, "."); stmt.Quote(name) == e.SQL {
+		return name
+	}
+	return stmt.Table
 }
 
 // insertKeys tells, before a create runs on an engine without INSERT ...
@@ -491,7 +526,7 @@ func (p *OutboxPlugin) prepareUpsert(db *gorm.DB, d dialect.Dialect, r *returned
 	}
 	conn := plainConn(stmt.ConnPool)
 	if kr.UniqueKeys != nil {
-		unique, err := kr.UniqueKeys(stmt.Context, conn, stmt.Table)
+		unique, err := kr.UniqueKeys(stmt.Context, conn, tableName(stmt))
 		if err != nil {
 			return fmt.Errorf("outbox: upsert of %s: %w", stmt.Schema.Name, err)
 		}
@@ -641,6 +676,7 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		if bases[i].IsValid() {
 			m = reflect.New(sch.ModelType).Elem()
 			m.Set(bases[i])
+			r.detach(m)
 			r.fill(ctx, m, row)
 		}
 		out[i] = written{model: m, op: op}
@@ -660,6 +696,36 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		}
 	}
 	return out
+}
+
+// detach gives m, a copy of a caller's model, copies of its own of the
+// structs it embeds through a pointer (an anonymous *Stamp, or a pointer
+// tagged gorm:"embedded") on the way to a column of r.cols, so that fill
+// writes nothing into memory the caller's model points to. GORM marks
+// such a step of a field's index path negative (-i-1); a nil pointer is
+// left to fill, which sets a new struct.
+func (r *returned) detach(m reflect.Value) {
+	own := map[uintptr]bool{} // the copies made so far
+	for _, f := range r.cols {
+		v := m
+		for _, i := range f.StructField.Index {
+			if i >= 0 {
+				v = v.Field(i)
+				continue
+			}
+			v = v.Field(-i - 1)
+			if v.IsNil() {
+				break
+			}
+			if !own[v.Pointer()] {
+				c := reflect.New(v.Type().Elem())
+				c.Elem().Set(v.Elem())
+				v.Set(c)
+				own[c.Pointer()] = true
+			}
+			v = v.Elem()
+		}
+	}
 }
 
 // fill sets m's columns from row, so that they hold what a fresh read of
@@ -789,7 +855,7 @@ func readExistingKeys(ctx context.Context, conn gorm.ConnPool, stmt *gorm.Statem
 				args = append(args, v)
 			}
 		}
-		query := "SELECT " + cols.String() + " FROM " + stmt.Quote(stmt.Table) +
+		query := "SELECT " + cols.String() + " FROM " + tableSQL(stmt) +
 			" WHERE (" + cols.String() + ") IN (" + values + tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ")" + kr.Lock
 		rows, err := conn.QueryContext(ctx, bind(query), args...)
 		if err != nil {

@@ -61,6 +61,11 @@ func (p *OutboxPlugin) lockClashingRows(db *gorm.DB, r *returned, unique map[str
 	if len(pks) == 0 {
 		return refuse("the model has no primary key to tell the rows apart")
 	}
+	if len(unique) == 0 {
+		// An InnoDB table has a primary key: the plugin looked for
+		// another table than the statement writes.
+		return refuse(fmt.Sprintf("the server reports no unique key of the table %s, not even a primary key", tableName(stmt)))
+	}
 	oc, _ := upsertClause(stmt)
 	for _, a := range oc.DoUpdates {
 		f := stmt.Schema.LookUpField(a.Column.Name)
@@ -157,7 +162,7 @@ func (p *OutboxPlugin) lockClashingRows(db *gorm.DB, r *returned, unique map[str
 			for _, t := range chunk {
 				args = append(args, t...)
 			}
-			query := "SELECT " + cols.String() + " FROM " + stmt.Quote(stmt.Table) + " WHERE (" + list.String() + ") IN (" +
+			query := "SELECT " + cols.String() + " FROM " + tableSQL(stmt) + " WHERE (" + list.String() + ") IN (" +
 				tuple + strings.Repeat(", "+tuple, len(chunk)-1) + ") FOR UPDATE"
 			if err := r.readBefore(stmt, conn, query, args); err != nil {
 				return err

@@ -2,12 +2,14 @@ package outbox_test
 
 import (
 	"errors"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
+	"gorm.io/gorm/schema"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/outboxtest"
@@ -270,9 +272,12 @@ func assertLastEventsMatchLabels(t *testing.T, b bundle) {
 
 // TestMySQLUpsertItCannotIdentifyIsRefusedBeforeWriting: an upsert that
 // assigns the primary key changes the key by which the plugin tells the
-// rows apart, and a unique key on a prefix of a column clashes where the
-// values differ; each is refused, saying why and how to write it
-// otherwise, and nothing is written.
+// rows apart, a unique key on a prefix of a column clashes where the
+// values differ, and a table of which the server reports no unique key
+// at all (an InnoDB table has a primary key: the plugin would be looking
+// at another table than the one written) leaves the plugin nothing to
+// read; each is refused, saying why and how to write it otherwise, and
+// nothing is written.
 func TestMySQLUpsertItCannotIdentifyIsRefusedBeforeWriting(t *testing.T) {
 	for _, c := range []struct {
 		name, ddl, says string
@@ -280,6 +285,7 @@ func TestMySQLUpsertItCannotIdentifyIsRefusedBeforeWriting(t *testing.T) {
 	}{
 		{"AssignsThePrimaryKey", "", "primary key", clause.OnConflict{DoUpdates: clause.AssignmentColumns([]string{"id", "name"})}},
 		{"UniqueKeyOnAPrefix", "CREATE UNIQUE INDEX labels_name_prefix ON labels (name(4))", "name(4)", upsertOnCode},
+		{"NoUniqueKey", "ALTER TABLE labels DROP INDEX idx_labels_code, DROP PRIMARY KEY, ADD KEY labels_id (id)", "no unique key", upsertOnCode},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -299,6 +305,73 @@ func TestMySQLUpsertItCannotIdentifyIsRefusedBeforeWriting(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestMySQLWritesToATableInAnotherDatabaseRecordWhatTheyDid: a model's
+// table named with a database before it (otherdb.labels: from a naming
+// strategy's TablePrefix as from a model's TableName, or given with
+// Table) is where the plugin reads the table's unique keys and the rows
+// a write changes, so that an upsert records an update for a row it
+// updated and a create for one it inserted, and updates by condition,
+// limited ones too, record what they wrote.
+func TestMySQLWritesToATableInAnotherDatabaseRecordWhatTheyDid(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		// on returns the session that writes labels to other.labels.
+		on func(t *testing.T, b bundle, other string) *gorm.DB
+	}{
+		{"ModelsTableName", func(t *testing.T, b bundle, other string) *gorm.DB {
+			db := outboxtest.Reopen(t, b.info, &gorm.Config{NamingStrategy: schema.NamingStrategy{TablePrefix: other + "."}})
+			mustNil(t, db.Use(outbox.Plugin(outbox.WithPluginLogger(outboxtest.Logger(t)))))
+			return db
+		}},
+		{"Table", func(t *testing.T, b bundle, other string) *gorm.DB {
+			return b.db.Table(other + ".labels").Session(&gorm.Session{})
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, outboxtest.MySQL, nil)
+			other := otherDatabase(t, b.db)
+			mustNil(t, b.db.Exec("CREATE TABLE "+other+".labels (id bigint unsigned AUTO_INCREMENT PRIMARY KEY, code varchar(64), name longtext, UNIQUE KEY labels_code (code))").Error)
+			db := c.on(t, b, other)
+			mustNil(t, db.Create(&Label{Code: "x", Name: "old"}).Error)
+			mustNil(t, db.Clauses(upsertOnCode).Create(&[]Label{{Code: "x", Name: "new"}, {Code: "y", Name: "why"}}).Error)
+			mustNil(t, db.Model(&Label{}).Where("code = ?", "y").Update("name", "why not").Error)
+			mustNil(t, db.Model(&Label{}).Where("code = ?", "x").Limit(1).Update("name", "newer").Error)
+			want := []string{
+				`label.create label/1#1 {"Code":"x","ID":1,"Name":"old"}`,
+				`label.update label/1#2 {"Code":"x","ID":1,"Name":"new"}`,
+				`label.create label/2#1 {"Code":"y","ID":2,"Name":"why"}`,
+				`label.update label/2#2 {"Code":"y","ID":2,"Name":"why not"}`,
+				`label.update label/1#3 {"Code":"x","ID":1,"Name":"newer"}`,
+			}
+			if got := styleEvents(t, b, 0); !slices.Equal(got, want) {
+				t.Fatalf("events\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+			}
+			var labels []Label
+			mustNil(t, db.Order("id").Find(&labels).Error)
+			if len(labels) != 2 || labels[0].Name != "newer" || labels[1].Name != "why not" {
+				t.Fatalf("%s.labels holds %+v", other, labels)
+			}
+		})
+	}
+}
+
+// otherDatabase creates, on db's MySQL server, a database beside db's
+// own, named after it, and drops it when t ends.
+func otherDatabase(t *testing.T, db *gorm.DB) string {
+	t.Helper()
+	var own string
+	mustNil(t, db.Raw("SELECT DATABASE()").Scan(&own).Error)
+	other := own + "_other"
+	mustNil(t, db.Exec("CREATE DATABASE "+other).Error)
+	t.Cleanup(func() {
+		if err := db.Exec("DROP DATABASE " + other).Error; err != nil {
+			t.Errorf("drop database %s: %v", other, err)
+		}
+	})
+	return other
 }
 
 // TestParentAndChildrenWrittenApartRecordEveryRow: the way around a

@@ -241,10 +241,11 @@ type KeyReads struct {
 	// PrimaryKey: an upsert that names no conflict columns conflicts on
 	// the primary key (MySQL's ON DUPLICATE KEY UPDATE names none).
 	PrimaryKey bool
-	// UniqueKeys, where set, returns the unique keys of a table, by name,
-	// each as its sorted lower-case column names (a part that is not a
-	// whole column, a prefix or an expression, has a parenthesis in its
-	// name): the upsert fires on a
+	// UniqueKeys, where set, returns the unique keys of a table (its
+	// name with its schema's or database's before it, where it has one:
+	// otherdb.labels), by name, each as its sorted lower-case column
+	// names (a part that is not a whole column, a prefix or an
+	// expression, has a parenthesis in its name): the upsert fires on a
 	// clash with any of them (MySQL), so the plugin reads, locked, the
 	// rows that clash with the statement's on any of them, and tells the
 	// rows the upsert returns apart by primary key. Nil where an upsert

@@ -53,12 +53,19 @@ func (mysqlDialect) KeyReads() KeyReads {
 }
 
 // mysqlUniqueKeys returns the unique keys of table, by name, each as its
-// sorted lower-case column names. A part that indexes a prefix of its
-// column is named with the prefix's length, col(10), and one that indexes
-// an expression (MySQL 8) is named "(expression)": neither is a column.
+// sorted lower-case column names: of the table in the database its name
+// gives (otherdb.labels), or else in the connection's. A part that indexes
+// a prefix of its column is named with the prefix's length, col(10), and
+// one that indexes an expression (MySQL 8) is named "(expression)":
+// neither is a column. A table the server does not know has none.
 func mysqlUniqueKeys(ctx context.Context, conn gorm.ConnPool, table string) (map[string][]string, error) {
+	database, name, qualified := strings.Cut(table, ".")
+	where, args := "TABLE_SCHEMA = ? AND TABLE_NAME = ?", []any{database, name}
+	if !qualified {
+		where, args = "TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?", []any{table}
+	}
 	rows, err := conn.QueryContext(ctx, `SELECT INDEX_NAME, COLUMN_NAME, SUB_PART FROM information_schema.STATISTICS
-WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND NON_UNIQUE = 0`, table)
+WHERE `+where+` AND NON_UNIQUE = 0`, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read the unique keys of %s: %w", table, err)
 	}
