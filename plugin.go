@@ -226,16 +226,17 @@ func (p *OutboxPlugin) emitterFor(t reflect.Type) func(model any, op Op) ([]Even
 // That holds for every statement of the sessions GORM derives from the
 // returned db, new ones included: the saves of associations, the writes
 // of the models' hooks, db.Transaction's tx and gorm.G[T](db)'s
-// statements. It leaves db itself as it was, even where db is a chain
-// whose statements GORM runs on one Statement (db.Model(&x), say).
+// statements. The result is a session: it may be kept and used for
+// statement after statement. It leaves db itself as it was, even where db
+// is a chain whose statements GORM runs on one Statement (db.Model(&x),
+// say).
 func WithoutEvents(db *gorm.DB) *gorm.DB {
 	// Scopes() adds nothing; it returns db itself only for a chain, and
 	// otherwise the statement GORM would give db's next call: a fresh one
-	// for a new session (the tx of a hook), a copy for others.
-	tx := db.Scopes()
-	if tx == db {
-		tx = db.Session(&gorm.Session{})
-	}
+	// for a new session (the tx of a hook), a copy for others. A session
+	// of it hands each call made through the result a copy of that
+	// statement, so that the result serves statement after statement.
+	tx := db.Scopes().Session(&gorm.Session{})
 	// The mark goes in the configuration, which every session GORM
 	// derives copies (Session, Begin, a hook's tx, gorm.G's Session with
 	// NewDB and the call's context), where a statement's settings are

@@ -755,6 +755,29 @@ func TestWithoutEventsInAHookWritesWhatItIsGiven(t *testing.T) {
 	})
 }
 
+// TestWithoutEventsCanBeKeptForSeveralStatements: the db WithoutEvents
+// returns is a session: statement after statement run through it, each on
+// a statement of its own, and record nothing, on every engine.
+func TestWithoutEventsCanBeKeptForSeveralStatements(t *testing.T) {
+	outboxtest.ForEachEngine(t, func(t *testing.T, e outboxtest.Engine) {
+		b := setup(t, e, nil)
+		quiet := outbox.WithoutEvents(b.db)
+		o := Order{Status: "new"}
+		mustNil(t, quiet.Create(&o).Error)
+		mustNil(t, quiet.Model(&o).Update("status", "paid").Error)
+		mustNil(t, quiet.Create(&Order{Status: "second"}).Error)
+		mustNil(t, quiet.Where("status = ?", "second").Delete(&Order{}).Error)
+		var statuses []string
+		mustNil(t, b.db.Model(&Order{}).Order("id").Pluck("status", &statuses).Error)
+		if fmt.Sprint(statuses) != "[paid]" {
+			t.Fatalf("orders %v, want [paid]", statuses)
+		}
+		if recs := b.records(t); len(recs) != 0 {
+			t.Fatalf("%d outbox rows, want none", len(recs))
+		}
+	})
+}
+
 // TestWithoutEventsSilencesGormG: gorm.G[T](outbox.WithoutEvents(db))
 // runs its statements on a new session of its own, with the call's
 // context; they write and record nothing, on every engine.
