@@ -258,7 +258,7 @@ func NewDispatcher(db *gorm.DB, p Publisher, opts ...DispatcherOption) (*Dispatc
 	if err := dl.CheckPool(db); err != nil {
 		return nil, fmt.Errorf("%w: NewDispatcher: %w", ErrInvalidOption, err)
 	}
-	if err := checkParseTime(db, dl); err != nil {
+	if err := checkConn(db, dl); err != nil {
 		return nil, err
 	}
 	d := &Dispatcher{

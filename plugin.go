@@ -167,7 +167,7 @@ func (p *OutboxPlugin) Initialize(db *gorm.DB) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidOption, err)
 	}
-	if err := checkParseTime(db, dl); err != nil {
+	if err := checkConn(db, dl); err != nil {
 		return err
 	}
 	warnSettings(context.Background(), db, dl, dl.Tables(p.tables.Name), p.log)

@@ -94,6 +94,15 @@ type Dialect interface {
 	// CheckPool reports why db's connection pool cannot serve a
 	// dispatcher's claims, if it cannot.
 	CheckPool(db *gorm.DB) error
+	// CheckConn returns an error wrapping ErrUnfitConn when conn's
+	// connections cannot serve the plugin and the dispatcher (MySQL
+	// without parseTime=true), the error of its query when that fails,
+	// and nil otherwise.
+	CheckConn(ctx context.Context, conn gorm.ConnPool) error
+	// Settings reads the settings the documentation says matter and
+	// returns a Warning for each that the database runs without, and for
+	// each it could not read.
+	Settings(ctx context.Context, conn gorm.ConnPool, t Tables) []Warning
 	// LockConflict reports whether err is the server ending one of the
 	// dispatcher's own statements or transactions for a deadlock or a
 	// lock wait, which RetryLocks runs again (MySQL); false elsewhere.
@@ -264,6 +273,20 @@ type Record struct {
 
 // ErrNoListen says that the engine or driver cannot deliver notifications.
 var ErrNoListen = errors.New("outbox: notifications not supported here")
+
+// ErrUnfitConn says that a connection is set up so that the plugin and
+// the dispatcher cannot work through it (CheckConn).
+var ErrUnfitConn = errors.New("outbox: the connection's settings do not serve the outbox")
+
+// A Warning is a setting that the database runs without: Message says
+// what to set and why, Attrs (slog's key-value pairs) what was read. With
+// Err, it is a setting Check names that could not be read.
+type Warning struct {
+	Check   string
+	Message string
+	Attrs   []any
+	Err     error
+}
 
 // Shards is how many shards a claim in shard mode divides the aggregates
 // into, by a hash of aggregate type and id.

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"time"
 
 	"gorm.io/gorm"
 )
@@ -97,3 +98,25 @@ WHERE `+where+` AND NON_UNIQUE = 0`, args...)
 // transaction (but for a deadlock, which rolls back the whole transaction
 // and fails its commit).
 func (mysqlDialect) ErrorAbortsTx() bool { return false }
+
+// CheckConn: the connection must read DATETIME columns as time.Time,
+// which go-sql-driver/mysql does only with parseTime=true in the DSN.
+// Without it the driver returns text: the plugin, which reads back the
+// rows of emitting models, cannot scan their time fields, so their writes
+// fail; and the dispatcher reads its own timestamps as UTC whatever the
+// DSN's loc, off by loc's offset. It asks the server for one DATETIME and
+// looks at what the driver returns, so that this package imports no
+// driver.
+func (mysqlDialect) CheckConn(ctx context.Context, conn gorm.ConnPool) error {
+	var v any
+	if err := conn.QueryRowContext(ctx, `SELECT CAST('2000-01-01 00:00:00' AS DATETIME)`).Scan(&v); err != nil {
+		return fmt.Errorf("checking that the MySQL DSN has parseTime=true: %w", err)
+	}
+	if _, ok := v.(time.Time); !ok {
+		return fmt.Errorf("%w: the MySQL DSN needs parseTime=true: without it the driver reads DATETIME columns as text, which the plugin cannot scan into a model's time fields and the dispatcher reads in UTC whatever loc says", ErrUnfitConn)
+	}
+	return nil
+}
+
+// Settings: none that the documentation asks for.
+func (mysqlDialect) Settings(context.Context, gorm.ConnPool, Tables) []Warning { return nil }

@@ -379,3 +379,57 @@ SELECT aggregate_sequence, `+notifyExpr+` FROM ins`, args...).Scan(&seq, &void)
 	}
 	return err == nil, err
 }
+
+// Settings: autovacuum, on the server and on the outbox tables (their
+// autovacuum_enabled storage parameter).
+func (postgresDialect) Settings(ctx context.Context, conn gorm.ConnPool, t Tables) []Warning {
+	var ws []Warning
+	var on string
+	if err := conn.QueryRowContext(ctx, `SHOW autovacuum`).Scan(&on); err != nil {
+		ws = append(ws, Warning{Check: "postgres autovacuum", Err: err})
+	} else if on != "on" {
+		ws = append(ws, Warning{Message: "outbox: PostgreSQL runs with autovacuum off: the claim's plans rely on the outbox table's statistics, which then go stale, and the dead row versions that every lease and settle leave behind pile up; turn it on (autovacuum = on in postgresql.conf, or ALTER SYSTEM SET autovacuum = on and SELECT pg_reload_conf())", Attrs: []any{"autovacuum", on}})
+	}
+	rows, err := conn.QueryContext(ctx, postgresDialect{}.Bind(`SELECT c.relname, o.opt FROM pg_class c CROSS JOIN LATERAL unnest(c.reloptions) AS o(opt)
+WHERE c.oid IN (to_regclass(?), to_regclass(?)) AND o.opt LIKE 'autovacuum\_enabled=%'`), t.Records, t.Sequences)
+	if err != nil {
+		ws = append(ws, Warning{Check: "postgres autovacuum_enabled", Err: err})
+		return ws
+	}
+	defer rows.Close()
+	var off []string
+	for rows.Next() {
+		var table, opt string
+		if err := rows.Scan(&table, &opt); err != nil {
+			ws = append(ws, Warning{Check: "postgres autovacuum_enabled", Err: err})
+			return ws
+		}
+		if isFalse(strings.TrimPrefix(opt, "autovacuum_enabled=")) {
+			off = append(off, table)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		ws = append(ws, Warning{Check: "postgres autovacuum_enabled", Err: err})
+		return ws
+	}
+	if len(off) > 0 {
+		ws = append(ws, Warning{Message: "outbox: autovacuum is disabled on outbox tables (storage parameter autovacuum_enabled): the claim's plans rely on their statistics, which then go stale, and the dead row versions that every lease and settle leave behind pile up; ALTER TABLE ... RESET (autovacuum_enabled)", Attrs: []any{"tables", off}})
+	}
+	return ws
+}
+
+// CheckConn: nothing to check.
+func (postgresDialect) CheckConn(context.Context, gorm.ConnPool) error { return nil }
+
+// isFalse reports whether PostgreSQL reads the boolean storage parameter
+// value v as false: off, no, false, 0, or a unique prefix of them.
+func isFalse(v string) bool {
+	v = strings.ToLower(strings.TrimSpace(v))
+	switch {
+	case v == "0" || v == "of" || v == "off":
+		return true
+	case v == "":
+		return false
+	}
+	return strings.HasPrefix("false", v) || strings.HasPrefix("no", v)
+}

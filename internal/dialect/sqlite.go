@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"fmt"
+	"strings"
 	"time"
 
 	"gorm.io/gorm"
@@ -259,3 +260,33 @@ ON CONFLICT (idempotency_key) DO NOTHING`,
 	}
 	return false, releaseSequence(ctx, d, conn, t, e)
 }
+
+// Settings: a database file (not one in memory) needs the WAL journal
+// mode, and a busy timeout.
+func (sqliteDialect) Settings(ctx context.Context, conn gorm.ConnPool, _ Tables) []Warning {
+	var ws []Warning
+	var file string
+	if err := conn.QueryRowContext(ctx, `SELECT file FROM pragma_database_list WHERE name = 'main'`).Scan(&file); err != nil {
+		ws = append(ws, Warning{Check: "sqlite database file", Err: err})
+		return ws
+	}
+	if file == "" {
+		return ws // in memory, or temporary: no WAL, and no other process
+	}
+	var mode string
+	if err := conn.QueryRowContext(ctx, `PRAGMA journal_mode`).Scan(&mode); err != nil {
+		ws = append(ws, Warning{Check: "sqlite journal_mode", Err: err})
+	} else if !strings.EqualFold(mode, "wal") {
+		ws = append(ws, Warning{Message: "outbox: SQLite runs without the WAL journal mode: the dispatcher's reads and the writers' transactions then block each other, and writes fail with \"database is locked\"; open the database with _journal_mode=WAL, as in file:app.db?_busy_timeout=5000&_journal_mode=WAL&_txlock=immediate (mattn/go-sqlite3) or file:app.db?_pragma=busy_timeout(5000)&_pragma=journal_mode(WAL)&_txlock=immediate (glebarez/sqlite, modernc.org/sqlite)", Attrs: []any{"journal_mode", mode, "file", file}})
+	}
+	var timeout int
+	if err := conn.QueryRowContext(ctx, `PRAGMA busy_timeout`).Scan(&timeout); err != nil {
+		ws = append(ws, Warning{Check: "sqlite busy_timeout", Err: err})
+	} else if timeout <= 0 {
+		ws = append(ws, Warning{Message: "outbox: SQLite runs without a busy timeout: a transaction that meets another's lock fails at once with \"database is locked\" instead of waiting for it; open the database with a busy timeout, as in file:app.db?_busy_timeout=5000&_journal_mode=WAL&_txlock=immediate (mattn/go-sqlite3) or file:app.db?_pragma=busy_timeout(5000)&_pragma=journal_mode(WAL)&_txlock=immediate (glebarez/sqlite, modernc.org/sqlite)", Attrs: []any{"busy_timeout", timeout, "file", file}})
+	}
+	return ws
+}
+
+// CheckConn: nothing to check.
+func (sqliteDialect) CheckConn(context.Context, gorm.ConnPool) error { return nil }
