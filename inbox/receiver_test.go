@@ -376,21 +376,6 @@ func (p producer) write(t *testing.T, agg string, ids ...string) {
 	}
 }
 
-// drain dispatches until a round finds nothing due.
-func (p producer) drain(t *testing.T) {
-	t.Helper()
-	for range 100 {
-		n, err := p.d.DispatchOnce(context.Background())
-		if err != nil {
-			t.Fatalf("DispatchOnce: %v", err)
-		}
-		if n == 0 {
-			return
-		}
-	}
-	t.Fatal("still dispatching after 100 rounds")
-}
-
 // rows returns each outbox row as "state/attempts", followed by
 // ": last_error" when it has one, by event id.
 func (p producer) rows(t *testing.T) map[string]string {
@@ -420,7 +405,7 @@ func TestADeadLetterHoldsBackItsOwnAggregateAndNoOtherThroughTheReceiver(t *test
 
 		p.write(t, "1", "evt-1a", "evt-1b")
 		p.write(t, "2", "evt-2a")
-		p.drain(t)
+		brokertest.Drain(t, p.d)
 		checkRows(t, p.rows(t), map[string]string{
 			"evt-1a": "failed/1: permanent: unknown product", // the consumer's reason, alone
 			"evt-1b": "pending/0",                            // not attempted, behind it
@@ -430,7 +415,7 @@ func TestADeadLetterHoldsBackItsOwnAggregateAndNoOtherThroughTheReceiver(t *test
 		// Later events: order 2's go on, order 1's wait for its dead letter.
 		p.write(t, "1", "evt-1c")
 		p.write(t, "2", "evt-2b")
-		p.drain(t)
+		brokertest.Drain(t, p.d)
 		checkRows(t, p.rows(t), map[string]string{
 			"evt-1a": "failed/1: permanent: unknown product",
 			"evt-1b": "pending/0",
@@ -468,7 +453,7 @@ func TestATransientRefusalThroughTheReceiverRetriesOnlyThatMessage(t *testing.T)
 			"evt-1b": "delivered/1",
 			"evt-2a": "retry/1: stock service down",
 		})
-		p.drain(t)
+		brokertest.Drain(t, p.d)
 		checkRows(t, p.rows(t), map[string]string{"evt-1a": "delivered/1", "evt-1b": "delivered/1", "evt-2a": "delivered/2"})
 		if got, want := rec.Requests(), [][]string{{"evt-1a", "evt-1b", "evt-2a"}, {"evt-2a"}}; !reflect.DeepEqual(got, want) {
 			t.Errorf("the receiver got %v, want %v: only the refused message again", got, want)
@@ -494,7 +479,7 @@ func TestAMessageTooLargeForTheReceiverFailsAloneAndTheRestOfItsBatchIsDelivered
 			if err := outbox.Publish(p.db, brokertest.OversizedEvents(5000)...); err != nil {
 				t.Fatal(err)
 			}
-			p.drain(t)
+			brokertest.Drain(t, p.d)
 
 			rows := p.rows(t)
 			big := rows["big"]
@@ -527,7 +512,7 @@ func TestAnEventAtTheOutboxsPayloadLimitReachesTheReceiverAtTheDefaults(t *testi
 	); err != nil {
 		t.Fatal(err)
 	}
-	p.drain(t)
+	brokertest.Drain(t, p.d)
 	checkRows(t, p.rows(t), map[string]string{"at-limit": "delivered/1", "next": "delivered/1"})
 	checkAppliedOnce(t, consumer, "at-limit", "next")
 }

@@ -288,7 +288,9 @@ func (p *Publisher) Publish(ctx context.Context, b outbox.Batch) error {
 			return outbox.Permanent(fmt.Errorf("outboxhttp: encode batch %s: event %s: %w", b.ID, m.EventID, err))
 		}
 	}
-	s.run(ctx)
+	if err := s.run(ctx); err != nil {
+		return err
+	}
 	return s.result()
 }
 
@@ -307,10 +309,6 @@ type sending struct {
 	blocked map[aggregate]int
 	// requests counts the requests made.
 	requests int
-	// whole is the error of the request that failed as a whole, if one
-	// did; byWhole counts the messages it carried.
-	whole   error
-	byWhole int
 }
 
 type aggregate struct{ typ, id string }
@@ -328,8 +326,9 @@ type answer struct {
 }
 
 // run sends the batch in as many requests as its size and the endpoint's
-// answers need, settling every message.
-func (s *sending) run(ctx context.Context) {
+// answers need, settling every message. When a request that carried the
+// whole batch fails as a whole, it returns that request's error instead.
+func (s *sending) run(ctx context.Context) error {
 	all := make([]int, len(s.batch.Messages))
 	for i := range all {
 		all[i] = i
@@ -369,11 +368,14 @@ func (s *sending) run(ctx context.Context) {
 			for i, pos := range chunk {
 				s.settle(pos, a.errs[i])
 			}
+		case len(chunk) == len(s.batch.Messages):
+			// The request carried the whole batch: its error is the
+			// batch's.
+			return a.err
 		default:
 			// Whatever made this request fail would most likely fail the
 			// rest: it is not sent, and its messages, which the receiver
 			// never saw, come back without counting an attempt.
-			s.whole, s.byWhole = a.err, len(chunk)
 			for _, pos := range chunk {
 				s.settle(pos, a.err)
 			}
@@ -382,9 +384,10 @@ func (s *sending) run(ctx context.Context) {
 					s.settle(pos, fmt.Errorf("%w: not sent, as request %s of the batch failed: %v", outbox.ErrNotAttempted, id, a.err))
 				}
 			}
-			return
+			return nil
 		}
 	}
+	return nil
 }
 
 // requestID is the batch_id of the n-th request (from 1) of the batch.
@@ -431,11 +434,8 @@ func (s *sending) result() error {
 			failed[s.batch.Messages[pos].EventID] = err
 		}
 	}
-	switch {
-	case len(failed) == 0:
+	if len(failed) == 0 {
 		return nil
-	case s.whole != nil && s.byWhole == len(s.errs):
-		return s.whole
 	}
 	return fmt.Errorf("outboxhttp: POST %s: batch %s: %w", s.p.redacted, s.batch.ID, &outbox.PartialError{Failed: failed})
 }
