@@ -41,14 +41,10 @@ const discardChunk = 500
 // It needs schema version 4 ([AutoMigrate]). outboxctl discard and the
 // outboxui dashboard call it.
 func (d *Dispatcher) Discard(ctx context.Context, f RequeueFilter) (int, error) {
-	limit := f.Limit
-	if limit <= 0 {
-		limit = d.sweepLimit
-	}
 	var taken []discardedRow
 	err := d.d.ClaimTx(ctx, d.db, func(q dialect.Querier) error {
 		var err error
-		taken, err = d.discardSelected(ctx, q, f, limit)
+		taken, err = d.discardSelected(ctx, q, f)
 		return err
 	})
 	if err != nil {
@@ -76,35 +72,11 @@ type discardedRow struct {
 	seq                int64
 }
 
-// discardSelected locks the failed rows f selects, oldest failure first,
-// copies them into the discarded table and deletes them, on q, inside the
-// discard's transaction. It returns the rows it moved.
-func (d *Dispatcher) discardSelected(ctx context.Context, q dialect.Querier, f RequeueFilter, limit int) ([]discardedRow, error) {
-	var (
-		where strings.Builder
-		args  []any
-	)
-	where.WriteString(`delivery_state = 'failed'`)
-	if !f.FailedBefore.IsZero() {
-		where.WriteString(` AND updated_at < ?`)
-		args = append(args, d.d.TimeArg(f.FailedBefore))
-	}
-	for _, in := range []struct {
-		column string
-		values []string
-	}{{"event_id", f.EventIDs}, {"event_type", f.EventTypes}} {
-		if len(in.values) == 0 {
-			continue
-		}
-		where.WriteString(` AND ` + in.column + ` IN (` + placeholders(len(in.values)) + `)`)
-		for _, v := range in.values {
-			args = append(args, v)
-		}
-	}
-	rows, err := q.QueryContext(ctx, d.d.Bind(`SELECT id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence
-FROM `+d.t.Records+` WHERE `+where.String()+`
-ORDER BY updated_at, id
-LIMIT ?`+d.rowLock()), append(args, limit)...)
+// discardSelected locks the failed rows f selects (Statements.Discard),
+// oldest failure first, copies them into the discarded table and deletes
+// them, on q, inside the discard's transaction. It returns the rows it moved.
+func (d *Dispatcher) discardSelected(ctx context.Context, q dialect.Querier, f RequeueFilter) ([]discardedRow, error) {
+	rows, err := q.QueryContext(ctx, d.st.Discard, d.filterArgs(f)...)
 	if err != nil {
 		return nil, fmt.Errorf("select: %w", err)
 	}
@@ -149,17 +121,6 @@ FROM `+d.t.Records+` WHERE `+in), append([]any{now}, ids...)...); err != nil {
 		}
 	}
 	return taken, nil
-}
-
-// rowLock is the clause that locks the rows a discard reads until its
-// transaction ends, so that a requeue cannot move them between the copy
-// and the delete; SQLite has none, and needs none: ClaimTx holds the
-// database.
-func (d *Dispatcher) rowLock() string {
-	if d.d.Name() == "sqlite" {
-		return ""
-	}
-	return " FOR UPDATE"
 }
 
 // placeholders returns n ? placeholders separated by commas.

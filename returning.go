@@ -57,10 +57,9 @@ type returned struct {
 	keys     []*schema.Field // the fields of those keys
 	// before holds the rows an upsert may update, as they were before it
 	// ran, by keyText of keys, where the engine returns the rows an
-	// upsert left as they were (MySQL: lockClashingRows); noops is then
-	// true, and such a row records nothing.
+	// upsert left as they were (MySQL: lockClashingRows; nil elsewhere),
+	// and such a row records nothing.
 	before map[string]returnedRow
-	noops  bool
 	upsert bool // the statement was an upsert that may update
 	// unchanged: the upsert's assignments set every column to itself (how
 	// GORM writes DoNothing on MySQL), so a row it did not insert is
@@ -683,7 +682,7 @@ func (r *returned) rowsWritten(stmt *gorm.Statement) []written {
 		if op == OpCreate && r.upsert {
 			if updated, prev := r.updated(ctx, fresh[i], row, wrote); updated {
 				out[i].op = OpUpdate
-				if r.unchanged || (r.noops && prev != nil && sameValues(*prev, row)) {
+				if r.unchanged || (r.before != nil && prev != nil && sameValues(*prev, row)) {
 					out[i].model = reflect.Value{}
 				}
 			}

@@ -78,6 +78,21 @@ func (d *Dispatcher) RetryFailed(ctx context.Context) (int, error) {
 // how many it moved. The events parked behind them are made due with them.
 // It is what outboxctl and the dashboard call.
 func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) {
+	now := time.Now()
+	n, err := d.revive(ctx, now, d.st.Requeue, append([]any{d.d.TimeArg(now)}, d.filterArgs(f)...)...)
+	if err != nil {
+		return n, fmt.Errorf("outbox: requeue: %w", err)
+	}
+	if n > 0 {
+		d.log.Info("outbox: dead-lettered messages requeued", "count", n)
+	}
+	return n, nil
+}
+
+// filterArgs returns the arguments by which the Requeue and Discard
+// statements select the rows of f: limit, failed before, ids, types (a
+// NULL time or list selects all).
+func (d *Dispatcher) filterArgs(f RequeueFilter) []any {
 	limit := f.Limit
 	if limit <= 0 {
 		limit = d.sweepLimit
@@ -93,15 +108,7 @@ func (d *Dispatcher) Requeue(ctx context.Context, f RequeueFilter) (int, error) 
 	if len(f.EventTypes) > 0 {
 		types = f.EventTypes
 	}
-	now := time.Now()
-	n, err := d.revive(ctx, now, d.st.Requeue, d.d.TimeArg(now), limit, before, d.d.TextList(ids), d.d.TextList(types))
-	if err != nil {
-		return n, fmt.Errorf("outbox: requeue: %w", err)
-	}
-	if n > 0 {
-		d.log.Info("outbox: dead-lettered messages requeued", "count", n)
-	}
-	return n, nil
+	return []any{limit, before, d.d.TextList(ids), d.d.TextList(types)}
 }
 
 // revive runs a statement that moves failed rows back to pending and

@@ -135,10 +135,8 @@ func (p *OutboxPlugin) lockClashingRows(db *gorm.DB, r *returned, unique map[str
 		}
 		keys = append(keys, k)
 	}
-	r.existing = map[string]bool{}
 	r.before = map[string]returnedRow{}
 	r.keys = pks
-	r.noops = true
 	var cols strings.Builder
 	for i, f := range r.cols {
 		if i > 0 {
@@ -184,9 +182,7 @@ func (r *returned) readBefore(stmt *gorm.Statement, conn gorm.ConnPool, query st
 		return fmt.Errorf("outbox: upsert of %s: read the rows it may update: %w", stmt.Schema.Name, err)
 	}
 	for _, row := range read.rows {
-		k := r.keyOfRow(stmt, row)
-		r.existing[k] = true
-		r.before[k] = row
+		r.before[r.keyOfRow(stmt, row)] = row
 	}
 	return nil
 }

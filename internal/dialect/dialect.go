@@ -200,6 +200,12 @@ type Statements struct {
 	// selects (a NULL list or time selects all). Both: oldest failure
 	// first; result: aggregate_type, aggregate_id.
 	Revive, Requeue string
+	// Discard (limit, failed before, ids, types): reads, locked until the
+	// transaction ends (FOR UPDATE, waiting; SQLite's ClaimTx holds the
+	// database), the failed rows Requeue's filter selects, oldest failure
+	// first, as Requeue reads them. Result: id, event_id, event_type,
+	// aggregate_type, aggregate_id, aggregate_sequence.
+	Discard string
 	// Cleanup (cutoff, limit) deletes up to limit delivered rows
 	// delivered before the cutoff, oldest first.
 	Cleanup string

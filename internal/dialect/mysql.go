@@ -142,6 +142,17 @@ JOIN ` + r + ` x ON x.id = j.id AND x.batch_id = ?1`,
 	FOR UPDATE SKIP LOCKED
 ) s` + mysqlThen + mysqlMoveBack(r, "0") + mysqlThen + mysqlMoved(r),
 
+		// By the index on failed_at, which is updated_at for a failed row.
+		Discard: `SELECT id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence
+FROM ` + r + `
+WHERE failed_at IS NOT NULL
+	AND (?2 IS NULL OR failed_at < ?2)
+	AND (?3 IS NULL OR event_id IN (SELECT e.v FROM JSON_TABLE(?3, ` + mysqlTexts + `) e))
+	AND (?4 IS NULL OR event_type IN (SELECT e.v FROM JSON_TABLE(?4, ` + mysqlTexts + `) e))
+ORDER BY failed_at, id
+LIMIT ?1
+FOR UPDATE`,
+
 		// On the pool: the arguments in p, in order, but for the list of
 		// ids, the last, which JSON_TABLE reads from its own placeholder:
 		// read from a column of p, it made the settle slower.

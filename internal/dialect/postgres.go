@@ -164,6 +164,16 @@ WHERE id IN (
 )
 RETURNING aggregate_type, aggregate_id`,
 
+		Discard: `SELECT id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence
+FROM ` + r + `
+WHERE delivery_state = 'failed'
+	AND ($2::timestamptz IS NULL OR updated_at < $2)
+	AND ($3::text[] IS NULL OR event_id = ANY($3))
+	AND ($4::text[] IS NULL OR event_type = ANY($4))
+ORDER BY updated_at, id
+LIMIT $1
+FOR UPDATE`,
+
 		Cleanup: `DELETE FROM ` + r + ` WHERE id IN (
 	SELECT id FROM ` + r + ` WHERE delivery_state = 'delivered' AND delivered_at < $1
 	ORDER BY delivered_at

@@ -147,6 +147,15 @@ WHERE id IN (
 )
 RETURNING aggregate_type, aggregate_id`,
 
+		Discard: `SELECT id, event_id, event_type, aggregate_type, aggregate_id, aggregate_sequence
+FROM ` + r + `
+WHERE delivery_state = 'failed'
+	AND (?2 IS NULL OR updated_at < ?2)
+	AND (?3 IS NULL OR event_id IN (SELECT value FROM json_each(?3)))
+	AND (?4 IS NULL OR event_type IN (SELECT value FROM json_each(?4)))
+ORDER BY updated_at, id
+LIMIT ?1`,
+
 		Cleanup: `DELETE FROM ` + r + ` WHERE id IN (
 	SELECT id FROM ` + r + ` WHERE delivery_state = 'delivered' AND delivered_at < ?1
 	ORDER BY delivered_at
